@@ -1,0 +1,1 @@
+"""kvgate chaos package (filled in by its own issue)."""

@@ -1,0 +1,1 @@
+"""kvgate gateway package (filled in by its own issue)."""

@@ -1,0 +1,1 @@
+"""kvgate ipc package (filled in by its own issue)."""

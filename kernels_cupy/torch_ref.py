@@ -1,0 +1,111 @@
+"""Pure-PyTorch paged attention: the CPU path of the engine and the oracle for the CUDA kernels.
+
+Decodes (one query token each) are attended in one batched call over K/V gathered through the block
+table and padded to the longest context; prefill chunks are attended one sequence at a time, causal
+within the chunk and full over the tokens already in the cache. No padding ever reaches the linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels_cupy.interface import AttentionMetadata
+
+
+def gather_kv(
+    cache: torch.Tensor,  # (NB, BS, Hkv, D)
+    block_table: torch.Tensor,  # (nblocks,) or (B, nblocks) int
+    length: int,  # tokens to keep (<= nblocks * BS)
+) -> torch.Tensor:  # (length, Hkv, D) or (B, length, Hkv, D)
+    blocks = cache[block_table.long()]  # (..., nblocks, BS, Hkv, D)
+    flat = blocks.flatten(-4, -3)  # (..., nblocks * BS, Hkv, D)
+    return flat[..., :length, :, :]
+
+
+class TorchAttentionBackend:
+    """Reference implementation of :class:`kernels_cupy.interface.AttentionBackend`."""
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # (T, Hkv, D)
+        value: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        meta: AttentionMetadata,
+    ) -> None:
+        # The caches are contiguous, so a flat (NB*BS, Hkv, D) view addresses slots directly.
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (T, Hq, D)
+        k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            out[start : start + qlen] = self._prefill(
+                query[start : start + qlen], k_cache, v_cache, meta.block_tables[i], slen, scale
+            )
+            start += qlen
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # (nd, Hq, D)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (nd, Hq, D)
+        nd = q.shape[0]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        nblocks = -(-max_len // k_cache.shape[1])
+        table = meta.block_tables[:nd, :nblocks]  # (nd, nblocks)
+        k = gather_kv(k_cache, table, max_len).transpose(1, 2)  # (nd, Hkv, L, D)
+        v = gather_kv(v_cache, table, max_len).transpose(1, 2)  # (nd, Hkv, L, D)
+        pos = torch.arange(max_len, device=q.device)  # (L,)
+        valid = pos[None, :] < meta.seq_lens[:nd, None].to(q.device)  # (nd, L) padding mask
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(k.dtype),  # (nd, Hq, 1, D)
+            k,
+            v,
+            attn_mask=valid[:, None, None, :],  # (nd, 1, 1, L)
+            scale=scale,
+            enable_gqa=True,
+        )  # (nd, Hq, 1, D)
+        return o.squeeze(2).to(q.dtype)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,  # (qlen, Hq, D)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,  # (max_blocks,)
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:  # (qlen, Hq, D)
+        qlen = q.shape[0]
+        nblocks = -(-seq_len // k_cache.shape[1])
+        k = gather_kv(k_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
+        v = gather_kv(v_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
+        qh = q.transpose(0, 1).to(k.dtype)  # (Hq, qlen, D)
+        if qlen == seq_len:  # nothing cached before this chunk: plain causal attention
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
+            rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (qlen, L)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1).to(q.dtype)  # (qlen, Hq, D)

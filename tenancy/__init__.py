@@ -1,0 +1,1 @@
+"""kvgate tenancy package (filled in by its own issue)."""

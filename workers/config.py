@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen dataclass of sub-configs, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.core.scheduler import SchedulerConfig
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "smollm2"
+    device: str = "cpu"
+    dtype: str = "float32"  # fp32 on the CPU by default; bf16 selectable
+    max_model_len: int | None = None  # None: the model's own limit, capped by the KV cache
+    seed: int = 0  # for requests that carry no seed of their own
+    num_threads: int | None = None  # torch intra-op threads on the CPU (None: torch's default)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_tokens: int = 32768  # CPU: KV capacity as a token budget
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory the KV cache may take
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

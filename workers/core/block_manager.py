@@ -1,0 +1,166 @@
+"""Paged KV-cache bookkeeping: blocks, ref counts, per-request block tables, and the prefix cache.
+
+The free list is an OrderedDict used as an O(1) doubly linked list in eviction order: the head is evicted
+first. Freed blocks keep their content hash and stay findable until they are handed out again, so a later
+request with the same prefix (and the same cache salt) reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.core.request import Request
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: str | None) -> bytes:
+    """H(parent, tokens, extra) with SHA-256: collisions would leak one tenant's cache to another, so no
+    64-bit Python hash. ``extra`` (the cache salt) is only mixed into the first block; the chain carries it."""
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else b"root")
+    h.update(len(tokens).to_bytes(4, "little"))
+    for t in tokens:
+        h.update(t.to_bytes(4, "little"))
+    if extra is not None:
+        h.update(b"salt:" + extra.encode("utf-8"))
+    return h.digest()
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # content hash -> block id holding it
+        self._tables: dict[str, list[int]] = {}  # request id -> physical block ids, in order
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its leading full blocks
+        self.prefix_queries = 0  # prompt tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0  # of which were found cached (counted by the scheduler on admission)
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (cached-but-free blocks count as free, as in vLLM)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def free_block_ids(self) -> list[int]:
+        """The free list in eviction order (head first); for tests and debugging."""
+        return list(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _request_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            extra = req.cache_salt if i == 0 else None
+            hashes.append(hash_block(parent, req.tokens_in(i * bs, (i + 1) * bs), extra))
+        return hashes
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of ``req``'s tokens. At least one token is left
+        uncached, because the model must compute the last position to sample from it."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._request_hashes(req, max_blocks):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(req.request_id, [])
+        n_full = min(req.num_computed_tokens // self.block_size, len(table))
+        for i, h in enumerate(self._request_hashes(req, n_full)):
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                block.block_hash = h
+                # Another request may have computed the same content first: keep its block findable.
+                self._cached.setdefault(h, block.block_id)
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow ``req``'s table to hold its computed tokens, ``cached_blocks`` (a prefix hit being attached
+        now) and ``num_new_tokens`` more. Returns False, changing nothing, when the free blocks do not
+        suffice: the caller waits or preempts."""
+        table = self._tables.get(req.request_id, [])
+        if cached_blocks and table:
+            raise RuntimeError(f"prefix blocks attached to {req.request_id}, which already holds blocks")
+        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(table) - len(cached_blocks)
+        # Hit blocks with no other user sit in the free list; touching them takes them out of it.
+        reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        if need > len(self._free) - reclaimed:
+            return False
+        for b in cached_blocks:
+            self._touch(b)
+        table = self._tables.setdefault(req.request_id, [])
+        table.extend(cached_blocks)
+        table.extend(self._pop_free() for _ in range(max(need, 0)))
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Drop a request's references. Tail blocks are freed first so they are evicted before the
+        shared head of a prompt; blocks with no content hash are useless and go to the very front."""
+        self._hashes.pop(request_id, None)
+        for block_id in reversed(self._tables.pop(request_id, [])):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"block {block_id} ref count went negative")
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self._free[block_id]
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its content is about to be overwritten
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after a weight reload)."""
+        self._cached.clear()
+        for b in self.blocks:
+            b.block_hash = None

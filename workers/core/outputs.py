@@ -1,0 +1,69 @@
+"""Typed results of the engine core: what the scheduler plans, what the runner samples, what a step
+reports back (one StepOutput per request that produced something or finished)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.core.request import Request
+
+# One logprobs entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...top-N])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    block_table: list[int]  # the block manager's live table for the request (read-only for the runner)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # batch order: running requests first, then newly admitted
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # set when the request could never run (a 4xx for the client)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queries: int  # tokens
+    prefix_hits: int  # tokens
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,0 +1,101 @@
+"""A request's state inside the engine. The scheduler owns the Request objects; the block manager owns
+their blocks (keyed by request id)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from workers.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6  # can never fit (prompt longer than the context or the whole KV cache)
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish reason. A request that could never fit reports "length" plus an error."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    weight: float = 1.0
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+    max_total_tokens: int = 0  # prompt + output may not exceed this (the context limit)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (cached or computed)
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
+    num_preemptions: int = 0
+    error: str | None = None  # why a FINISHED_IGNORED request could never run
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def check_stop(self, token_id: int) -> RequestStatus | None:
+        """Called after ``token_id`` was appended. Returns the finished status, or None to go on."""
+        n_out = len(self.output_token_ids)
+        p = self.params
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def anon_repr(self) -> str:
+        """For logs: lengths and state, never the tokens themselves."""
+        return (f"Request(id={self.request_id}, prompt_len={self.num_prompt_tokens}, "
+                f"out_len={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+                f"status={self.status.name})")

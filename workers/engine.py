@@ -1,0 +1,133 @@
+"""The step-level engine a worker process drives: add_request / abort / step / has_unfinished / stats.
+
+``step() = schedule() -> run the model -> update_from_output()``. The engine owns the scheduler (which owns
+requests and, through the block manager, their blocks) and the model runner (which owns the KV tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kernels_cupy import TorchAttentionBackend
+from kernels_cupy.interface import AttentionBackend
+from workers.config import CacheConfig, EngineConfig
+from workers.core.block_manager import BlockManager
+from workers.core.outputs import EngineStats, SampledToken, SchedulerOutput, StepOutput
+from workers.core.request import Request
+from workers.core.sampling_params import SamplingParams
+from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
+from workers.models.llama import LlamaConfig, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Runner(Protocol):
+    def execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, runner: Runner, scheduler: Scheduler, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_model_len: int) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    cache_salt: str | None = None, weight: float = 1.0,
+                    arrival_time: float | None = None) -> None:
+        """Raises ValueError for input that is wrong (a 4xx); a prompt that can never fit is accepted and
+        finishes at the next step with an error, so the caller sees one uniform path."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        req = Request(request_id, ids, params, cache_salt, float(weight),
+                      arrival_time if arrival_time is not None else time.monotonic(),
+                      self.eos_token_ids, self.max_model_len)
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.abort(list(request_ids))
+        for rid in request_ids:
+            self.runner.release(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return self.scheduler.take_finished_unreported()
+        sampled = self.runner.execute(plan)
+        outputs = self.scheduler.update_from_output(plan, sampled)
+        for o in outputs:
+            if o.finished:
+                self.runner.release(o.request_id)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.scheduler.bm
+        return EngineStats(bm.num_blocks, bm.num_free_blocks, bm.usage, len(s.running), len(s.waiting),
+                           s.num_preemptions, bm.prefix_queries, bm.prefix_hits,
+                           s.prompt_tokens_total, s.generation_tokens_total)
+
+
+def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:
+    """CPU: the configured token budget. CUDA: a share of the free memory after the weights loaded."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return max(1, int(free * cache.gpu_memory_utilization) // bytes_per_block)
+    return cache.kv_cache_tokens // cache.block_size
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        from kernels_cupy.cupy_backend import CupyAttentionBackend  # only where CUDA exists
+
+        return CupyAttentionBackend()
+    return TorchAttentionBackend()
+
+
+def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) -> LLMEngine:
+    """Wrap an already built model (tests use tiny random ones) in a full engine."""
+    device = next(model.parameters()).device
+    dtype = _DTYPES[cfg.model.dtype]
+    nb = num_kv_blocks(cfg.cache, device, kv_cache_bytes_per_block(model, cfg.cache.block_size, dtype))
+    runner = ModelRunner(model, nb, cfg.cache.block_size, default_backend(device), device, dtype, cfg.model.seed)
+    bm = BlockManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+    # A lone request must always fit in the cache, so the context limit is capped by the KV capacity.
+    max_model_len = min(max_len, nb * cfg.cache.block_size)
+    log.info("KV cache: %d blocks of %d tokens; max_model_len %d", nb, cfg.cache.block_size, max_model_len)
+    return LLMEngine(runner, Scheduler(cfg.scheduler, bm), model.cfg.vocab_size, model.cfg.eos_token_ids,
+                     max_model_len)
+
+
+def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | None,
+                cfg: EngineConfig) -> tuple[LlamaForCausalLM, int]:
+    from workers.models.loader import build_model as _build
+
+    if cfg.model.num_threads:
+        torch.set_num_threads(cfg.model.num_threads)
+    max_len = cfg.model.max_model_len or llama_cfg.max_position_embeddings
+    if max_len > llama_cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's {llama_cfg.max_position_embeddings}")
+    model = _build(llama_cfg, state_dict, max_len, _DTYPES[cfg.model.dtype], torch.device(cfg.model.device))
+    return model, max_len
+
+
+__all__ = ["LLMEngine", "SchedulerConfig", "build_model", "engine_from_model"]

@@ -1,0 +1,94 @@
+"""Turns a scheduler plan into flat model inputs, runs the model over the paged KV cache, and samples.
+
+Batch layout of a step (T tokens, B sequences, S sampled rows): sequences with a single new token (decodes)
+first, then prefill chunks, all concatenated with no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+from workers.core.outputs import SampledToken, ScheduledRequest, SchedulerOutput
+from workers.models.llama import LlamaForCausalLM
+from workers.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # (S,) int64 rows of the flat batch whose next token is sampled
+    sampled: list[ScheduledRequest]  # (S,) the requests those rows belong to
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.cfg
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 backend: AttentionBackend, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        c = model.cfg
+        self.model, self.backend, self.device = model, backend, device
+        self.block_size = block_size
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # One K and one V tensor per layer: (NB, BS, Hkv, D)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
+        self.sampler = Sampler(c.vocab_size, device, seed)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        inputs = self.prepare(plan)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
+                            inputs.logits_indices)  # (S, V)
+        tokens = self.sampler.sample(logits, [s.request for s in inputs.sampled])
+        return {s.request.request_id: t for s, t in zip(inputs.sampled, tokens)}
+
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        order = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        slens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in order:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            ids.extend(r.tokens_in(start, start + n))
+            p = range(start, start + n)
+            pos.extend(p)
+            table = s.block_table
+            slots.extend(table[i // bs] * bs + i % bs for i in p)
+            qlens.append(n)
+            slens.append(start + n)
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(s)
+        max_blocks = max(-(-L // bs) for L in slens)
+        tables = [s.block_table[: -(-L // bs)] for s, L in zip(order, slens)]
+        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        nd = sum(1 for q in qlens if q == 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev), query_lens_cpu=tuple(qlens), seq_lens_cpu=tuple(slens),
+            num_decodes=nd, num_decode_tokens=nd, max_seq_len=max(slens))
+        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
+                          torch.tensor(pos, dtype=torch.int64, device=dev), meta,
+                          torch.tensor(logits_rows, dtype=torch.int64, device=dev), sampled)

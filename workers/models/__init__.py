@@ -1,0 +1,1 @@
+"""Model implementations (our own modules) and weight loading (GGUF via transformers, safetensors)."""

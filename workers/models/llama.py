@@ -1,0 +1,194 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral; Qwen2 via attention_bias) over flattened tokens.
+
+Every tensor of a step is flat over tokens: (T, hidden) with T the sum of all scheduled tokens, so no padding
+ever reaches the matmuls. q/k/v and gate/up are fused into single matmuls. Attention goes through the
+backend interface, reading and writing the paged KV cache. Logits are computed only for sampled rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """From a transformers config dict (config.json or PretrainedConfig.to_dict())."""
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else dict(rope)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # (D/2,) fp32
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv / float(s["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv, s)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp in between.
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        h = x.float()  # normalise in fp32 whatever the model dtype, as the reference does
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to the model's length, looked up by position per token."""
+
+    def __init__(self, cfg: LlamaConfig, max_len: int) -> None:
+        super().__init__()
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, D)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, D), positions: (T,) -> (T, heads, D)
+        cos = self.cos[positions][:, None, :].to(x.dtype)  # (T, 1, D)
+        sin = self.sin[positions][:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = rotary(q.view(t, self.hq, self.d), positions)  # (T, Hq, D)
+        k = rotary(k.view(t, self.hkv, self.d), positions)  # (T, Hkv, D)
+        backend.write_kv(k, v.view(t, self.hkv, self.d), kv[0], kv[1], meta)
+        o = backend.forward(q, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, max_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V), each (NB, BS, Hkv, D)
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # (S,) int64: rows whose next token is sampled
+    ) -> torch.Tensor:  # (S, vocab) fp32
+        x = self.embed_tokens(input_ids)  # (T, H)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta, backend)
+        x = self.norm(x[logits_indices])  # (S, H): only rows that are sampled reach the head
+        return self.lm_head(x).float()
