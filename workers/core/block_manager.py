@@ -101,7 +101,7 @@ class BlockManager:
             return
         table = self._tables.get(req.request_id, [])
         n_full = min(req.num_computed_tokens // self.block_size, len(table))
-        for i, h in enumerate(self._request_hashes(req, n_full)):
+        for i, h in enumerate(self._request_hashes(req, n_full)[:n_full]):
             block = self.blocks[table[i]]
             if block.block_hash is None:
                 block.block_hash = h
