@@ -35,8 +35,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        # Powers of two keep slot arithmetic cheap; the CUDA backend checks the sizes its kernels support.
+        if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -32,7 +32,8 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama with attention_bias)
+    o_proj_bias: bool = False  # bias on the output projection too (Llama with attention_bias, not Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -57,7 +58,8 @@ class LlamaConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2",
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
         )
 
@@ -124,7 +126,7 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
