@@ -1,0 +1,151 @@
+"""Scheduler and fair queue, driven step by step with no model (the engine core is pure)."""
+
+from __future__ import annotations
+
+from workers.core.block_manager import BlockManager
+from workers.core.fair_queue import FairQueue
+from workers.core.outputs import SampledToken, SchedulerOutput
+from workers.core.request import Request, RequestStatus
+from workers.core.sampling_params import SamplingParams
+from workers.core.scheduler import Scheduler, SchedulerConfig
+
+
+def mk(rid: str, n: int, *, salt: str | None = None, weight: float = 1.0, max_tokens: int = 4,
+       t: float = 0.0) -> Request:
+    base = 1000 * (sum(map(ord, rid)) % 97)  # distinct prompts per id: no accidental prefix hits
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   cache_salt=salt, weight=weight, arrival_time=t, max_total_tokens=10_000)
+
+
+def plan_of(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def finish_step(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    s.update_from_output(out, {x.request.request_id: SampledToken(token) for x in out.scheduled if x.samples})
+
+
+def sched(blocks: int = 64, bs: int = 4, seqs: int = 8, budget: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(seqs, budget), BlockManager(blocks, bs))
+
+
+def test_chunked_prefill_then_decode_first() -> None:
+    s = sched(budget=16)
+    s.add_request(mk("a", 20))
+    s.add_request(mk("b", 6))
+    out = s.schedule()
+    assert plan_of(out) == {"a": 16}  # budget spent on a's first chunk
+    finish_step(s, out)
+    out = s.schedule()
+    assert plan_of(out) == {"a": 4, "b": 6}  # running first, then b admitted
+    finish_step(s, out)
+    out = s.schedule()
+    assert plan_of(out) == {"a": 1, "b": 1}  # both decode
+    assert out.num_batched_tokens == 2
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = sched(seqs=2, budget=100)
+    for i in range(4):
+        s.add_request(mk(f"r{i}", 3))
+    out = s.schedule()
+    assert list(plan_of(out)) == ["r0", "r1"] and len(s.waiting) == 2
+
+
+def test_preempts_latest_admitted_and_requeues_it_first() -> None:
+    s = sched(blocks=4, bs=4, budget=64)
+    s.add_request(mk("a", 7, max_tokens=10, t=0))
+    s.add_request(mk("b", 7, max_tokens=10, t=1))
+    out = s.schedule()
+    assert plan_of(out) == {"a": 7, "b": 7}  # 2 blocks each: cache full
+    finish_step(s, out)
+    finish_step(s, s.schedule())  # position 7 still fits in block 2 of each
+    out = s.schedule()  # position 8 needs a third block each, and only 4 exist
+    assert plan_of(out) == {"a": 1} and out.preempted_ids == ["b"]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting.peek() is b and s.num_preemptions == 1
+
+
+def test_abort_running_and_waiting() -> None:
+    s = sched(seqs=1)
+    s.add_request(mk("a", 5))
+    s.add_request(mk("b", 5))
+    s.schedule()
+    s.abort(["a", "b"])
+    assert s.bm.num_free_blocks == s.bm.num_blocks and not s.running and not s.waiting
+    outs = s.take_finished_unreported()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort"), ("b", "abort")]
+    assert not s.has_unfinished()
+
+
+def test_finish_by_max_tokens_frees_blocks() -> None:
+    s = sched()
+    s.add_request(mk("a", 5, max_tokens=2))
+    for _ in range(2):
+        finish_step(s, s.schedule())
+    assert not s.has_unfinished() and s.bm.num_free_blocks == s.bm.num_blocks
+    assert s.prompt_tokens_total == 5 and s.generation_tokens_total == 2
+
+
+def test_fair_queue_interleaves_tenants_despite_a_burst() -> None:
+    q = FairQueue()
+    for i in range(6):
+        q.push(mk(f"A{i}", 100, salt="A", t=i))
+    q.push(mk("B0", 100, salt="B", t=10))
+    q.push(mk("B1", 100, salt="B", t=11))
+    order = []
+    while q:
+        r = q.peek()
+        assert r is not None
+        q.pop(r, 100)
+        order.append(r.request_id)
+    assert order[:4] == ["A0", "B0", "A1", "B1"]
+    assert order[4:] == ["A2", "A3", "A4", "A5"]
+
+
+def test_fair_queue_respects_weights() -> None:
+    q = FairQueue()
+    for i in range(8):
+        q.push(mk(f"H{i}", 10, salt="heavy", weight=3.0, t=i))
+        q.push(mk(f"L{i}", 10, salt="light", weight=1.0, t=i + 0.5))
+    first8 = []
+    for _ in range(8):
+        r = q.peek()
+        assert r is not None
+        q.pop(r, 10)
+        first8.append(r.request_id[0])
+    assert first8.count("H") == 6 and first8.count("L") == 2
+
+
+def test_idle_tenant_cannot_bank_credit() -> None:
+    q = FairQueue()
+    for i in range(3):
+        q.push(mk(f"A{i}", 10, salt="A", t=i))
+    for _ in range(3):
+        r = q.peek()
+        assert r is not None
+        q.pop(r, 10)
+    # B arrives late; A arrives again. B must not get all of A's past service as credit.
+    for i in range(3):
+        q.push(mk(f"B{i}", 10, salt="B", t=10 + i))
+        q.push(mk(f"A{3 + i}", 10, salt="A", t=10.5 + i))
+    order = []
+    while q:
+        r = q.peek()
+        assert r is not None
+        q.pop(r, 10)
+        order.append(r.request_id)
+    assert order[:2] in (["A3", "B0"], ["B0", "A3"])
+    assert sorted(order[2:4], key=lambda x: x[0]) in (["A4", "B1"],)
+
+
+def test_fifo_within_salt_and_remove() -> None:
+    q = FairQueue()
+    a, b, c = mk("a", 1, salt="s", t=0), mk("b", 1, salt="s", t=1), mk("c", 1, salt="s", t=2)
+    for r in (a, b, c):
+        q.push(r)
+    assert q.remove(b) and not q.remove(b)
+    assert q.peek() is a
+    q.pop(a, 1)
+    assert q.peek() is c and len(q) == 1
