@@ -29,8 +29,7 @@ class Sampler:
         # logits: (S, V) fp32, row i belongs to reqs[i]
         want_lp = [r.params.logprobs for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
-        logits = self._penalize(logits, reqs)
-        self._mask_early_stop(logits, reqs)
+        logits = self._mask_early_stop(self._penalize(logits, reqs), reqs)
         tokens = torch.argmax(logits, dim=-1)  # (S,) greedy for every row, random rows overwritten
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
@@ -57,12 +56,17 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Before min_tokens, EOS (unless ignored) and stop ids cannot be sampled."""
+        masked = logits
         for i, r in enumerate(reqs):
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 if banned:
-                    logits[i, sorted(banned)] = float("-inf")
+                    if masked is logits:
+                        masked = logits.clone()  # never write into the caller's tensor
+                    masked[i, sorted(banned)] = float("-inf")
+        return masked
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         # logits: (R, V) -> (R,) token ids
