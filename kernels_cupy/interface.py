@@ -49,6 +49,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         query: torch.Tensor,  # (T, Hq, D)
+        key: torch.Tensor,  # (T, Hkv, D) this step's K (a backend may attend to it directly, e.g. for a
+        value: torch.Tensor,  # (T, Hkv, D)   prefill with nothing cached, instead of re-reading the cache)
         k_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding this step's K
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         meta: AttentionMetadata,

@@ -18,8 +18,11 @@ def gather_kv(
     block_table: torch.Tensor,  # (nblocks,) or (B, nblocks) int
     length: int,  # tokens to keep (<= nblocks * BS)
 ) -> torch.Tensor:  # (length, Hkv, D) or (B, length, Hkv, D)
-    blocks = cache[block_table.long()]  # (..., nblocks, BS, Hkv, D)
-    flat = blocks.flatten(-4, -3)  # (..., nblocks * BS, Hkv, D)
+    # index_select on the flattened table copies whole blocks with memcpy: several times faster on the
+    # CPU than advanced indexing with a 2-D index.
+    lead = block_table.shape[:-1]
+    blocks = cache.index_select(0, block_table.reshape(-1).long())  # (B * nblocks, BS, Hkv, D)
+    flat = blocks.view(*lead, -1, *cache.shape[2:])  # (..., nblocks * BS, Hkv, D)
     return flat[..., :length, :, :]
 
 
@@ -43,6 +46,8 @@ class TorchAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,  # (T, Hq, D)
+        key: torch.Tensor,  # (T, Hkv, D)
+        value: torch.Tensor,  # (T, Hkv, D)
         k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         meta: AttentionMetadata,
@@ -55,9 +60,11 @@ class TorchAttentionBackend:
         start = nd
         for i in range(nd, meta.num_seqs):
             qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            out[start : start + qlen] = self._prefill(
-                query[start : start + qlen], k_cache, v_cache, meta.block_tables[i], slen, scale
-            )
+            rows = slice(start, start + qlen)
+            if qlen == slen:  # nothing cached before this chunk: attend to the fresh K/V, no gather
+                out[rows] = self._causal(query[rows], key[rows], value[rows], scale)
+            else:
+                out[rows] = self._prefill(query[rows], k_cache, v_cache, meta.block_tables[i], slen, scale)
             start += qlen
         return out
 
@@ -88,6 +95,18 @@ class TorchAttentionBackend:
         return o.squeeze(2).to(q.dtype)
 
     @staticmethod
+    def _causal(
+        q: torch.Tensor,  # (n, Hq, D)
+        k: torch.Tensor,  # (n, Hkv, D)
+        v: torch.Tensor,  # (n, Hkv, D)
+        scale: float,
+    ) -> torch.Tensor:  # (n, Hq, D)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype),
+                                           v.transpose(0, 1).to(q.dtype), is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        return o.transpose(0, 1)
+
+    @staticmethod
     def _prefill(
         q: torch.Tensor,  # (qlen, Hq, D)
         k_cache: torch.Tensor,
@@ -101,11 +120,8 @@ class TorchAttentionBackend:
         k = gather_kv(k_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
         v = gather_kv(v_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
         qh = q.transpose(0, 1).to(k.dtype)  # (Hq, qlen, D)
-        if qlen == seq_len:  # nothing cached before this chunk: plain causal attention
-            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
-            rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (qlen, L)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
+        rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (qlen, L)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(0, 1).to(q.dtype)  # (qlen, Hq, D)

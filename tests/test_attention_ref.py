@@ -50,7 +50,7 @@ def test_mixed_batch_with_shared_and_scattered_blocks() -> None:
         num_decodes=2, num_decode_tokens=2, max_seq_len=16)
     be = TorchAttentionBackend()
     be.write_kv(torch.cat(ks), torch.cat(vs), kc, vc, meta)
-    out = be.forward(torch.cat(qs), kc, vc, meta, 0.35)
+    out = be.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, 0.35)
     rows = 0
     for (L, n), q, k, v in zip(seqs, qs, full_k, full_v):
         torch.testing.assert_close(out[rows:rows + n], dense(q, k, v, L - n, 0.35), atol=1e-5, rtol=1e-5)

@@ -136,8 +136,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = rotary(q.view(t, self.hq, self.d), positions)  # (T, Hq, D)
         k = rotary(k.view(t, self.hkv, self.d), positions)  # (T, Hkv, D)
-        backend.write_kv(k, v.view(t, self.hkv, self.d), kv[0], kv[1], meta)
-        o = backend.forward(q, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
+        v = v.view(t, self.hkv, self.d)  # (T, Hkv, D)
+        backend.write_kv(k, v, kv[0], kv[1], meta)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.hq * self.d))
 
 
