@@ -68,8 +68,8 @@ class TorchAttentionBackend:
             start += qlen
         return out
 
-    @staticmethod
     def _decode(
+        self,
         q: torch.Tensor,  # (nd, Hq, D)
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from kernels_cupy import TorchAttentionBackend
 from kernels_cupy.interface import AttentionBackend
 from workers.config import CacheConfig, EngineConfig
 from workers.core.block_manager import BlockManager
@@ -100,7 +99,9 @@ def default_backend(device: torch.device) -> AttentionBackend:
         from kernels_cupy.cupy_backend import CupyAttentionBackend  # only where CUDA exists
 
         return CupyAttentionBackend()
-    return TorchAttentionBackend()
+    from kernels_cupy.cpu import cpu_backend_or_reference
+
+    return cpu_backend_or_reference()  # type: ignore[no-any-return]
 
 
 def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) -> LLMEngine:

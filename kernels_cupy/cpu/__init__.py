@@ -1,0 +1,41 @@
+"""A C++ paged-decode attention kernel for the CPU, built once with torch's cpp_extension (gcc, ninja).
+
+It is an accelerator for the torch reference, never a replacement: where it cannot be built (no compiler,
+no ninja) or is switched off with ``KVGATE_CPU_KERNEL=0``, the reference path runs, and the tests compare
+the two. The build is cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).with_name("paged_decode.cpp")
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any | None:
+    """The compiled module, or None (logged once) where it cannot be had."""
+    if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as _load
+
+        return _load(name="kvgate_cpu_paged_decode", sources=[str(_SRC)],
+                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
+        log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)
+        return None
+
+
+def cpu_backend_or_reference() -> Any:
+    """The fastest CPU attention backend available here."""
+    from kernels_cupy.cpu.backend import CpuAttentionBackend
+    from kernels_cupy.torch_ref import TorchAttentionBackend
+
+    mod = load()
+    return CpuAttentionBackend(mod) if mod is not None else TorchAttentionBackend()
