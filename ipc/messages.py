@@ -1,0 +1,136 @@
+"""Typed, versioned messages exchanged between the gateway and its workers.
+
+Every message is a frozen, slotted dataclass holding only plain msgpack-able values (str, int, float, bool,
+None, lists, str-keyed dicts), so the codec can map it to a msgpack array without pickle and validate it field
+by field on the way back. The wire layout (a type tag, then the fields in declaration order) lives in
+``ipc.codec``; bump ``PROTOCOL_VERSION`` whenever a field is added, removed, reordered or retyped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
+PROTOCOL_VERSION = 1
+
+# The engine's sampling parameters as plain values: scalars (None, bool, int, float, str) or flat lists of
+# scalars (e.g. stop_token_ids). The worker rebuilds its SamplingParams from it; ipc stays engine-agnostic.
+SamplingValue = None | bool | int | float | str | list[None | bool | int | float | str]
+
+# Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+# --------------------------------------------------------------------------------------------------
+# gateway -> worker
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Start a request. The worker never sees tenant names: only an opaque cache salt and a weight."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, SamplingValue]
+    cache_salt: str | None  # mixed into the first KV block hash so tenants never share cached prefixes
+    weight: float  # weighted-fair-queuing share of the tenant
+    deadline: float | None  # unix seconds; the worker may finish the request with a timeout after it
+    trace_context: dict[str, str] | None  # W3C traceparent/tracestate, propagated as-is
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop requests and free their blocks. Idempotent: unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Finish running requests but accept no new ones (graceful scale-down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Exit now; running requests are dropped (the gateway has already failed or rerouted them)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# worker -> gateway
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message of a worker: who it is and what it can hold. protocol_version stays the first field
+    in every future version so a receiver can always read it before anything else."""
+
+    protocol_version: int
+    worker_id: str
+    pid: int
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutputMsg:
+    """What one request produced in one engine step (an element of StepOutputs, not a frame of its own)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # None while running; else an OpenAI-style reason ("stop", "length", ...)
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (for usage accounting)
+    logprobs: list[TokenLogprobs] | None  # one entry per new token when requested
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """All request outputs of one engine step, batched into one frame to keep per-token overhead low."""
+
+    outputs: list[RequestOutputMsg]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Periodic heartbeat; also the router's load signal. Counters are cumulative since worker start."""
+
+    worker_id: str
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    timestamp: float  # unix seconds on the worker
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A request failed on the worker before or outside a step (e.g. rejected at admission)."""
+
+    request_id: str
+    message: str
+    code: str  # machine-readable, e.g. "prompt_too_long"; the gateway maps it to an HTTP status
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Sent by a worker that leaves on purpose, so the gateway need not wait for missed heartbeats."""
+
+    worker_id: str
+    reason: str
+
+
+GatewayToWorker = Generate | Abort | Drain | Shutdown
+WorkerToGateway = Hello | StepOutputs | Stats | RequestError | Goodbye
+Message = GatewayToWorker | WorkerToGateway
