@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--hf-one-requests", type=int, default=None,
                     help="run the one-at-a-time baseline on the first N requests only (a rate, so comparable)")
     ap.add_argument("--hf-static-requests", type=int, default=None)
@@ -93,7 +94,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     llm = LLM(a.model, dtype=a.dtype, max_num_batched_tokens=a.max_num_batched_tokens,
-              max_num_seqs=a.max_num_seqs, kv_cache_tokens=65536, enable_prefix_caching=False)
+              max_num_seqs=a.max_num_seqs, kv_cache_tokens=65536, enable_prefix_caching=False,
+              kv_cache_dtype=a.kv_cache_dtype)
     reqs = workload(a.num_requests, a.seed, llm.engine.vocab_size)
     print(f"workload: {len(reqs)} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, "
           f"output tokens {sum(o for _, o in reqs)}, torch threads {torch.get_num_threads()}")

@@ -62,7 +62,9 @@ class TorchAttentionBackend:
             qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             rows = slice(start, start + qlen)
             if qlen == slen:  # nothing cached before this chunk: attend to the fresh K/V, no gather
-                out[rows] = self._causal(query[rows], key[rows], value[rows], scale)
+                # (rounded to the cache's dtype, so a later prefix hit sees exactly the same values)
+                kr, vr = key[rows].to(k_cache.dtype), value[rows].to(v_cache.dtype)
+                out[rows] = self._causal(query[rows], kr, vr, scale)
             else:
                 out[rows] = self._prefill(query[rows], k_cache, v_cache, meta.block_tables[i], slen, scale)
             start += qlen
@@ -80,19 +82,20 @@ class TorchAttentionBackend:
         max_len = max(meta.seq_lens_cpu[:nd])
         nblocks = -(-max_len // k_cache.shape[1])
         table = meta.block_tables[:nd, :nblocks]  # (nd, nblocks)
-        k = gather_kv(k_cache, table, max_len).transpose(1, 2)  # (nd, Hkv, L, D)
-        v = gather_kv(v_cache, table, max_len).transpose(1, 2)  # (nd, Hkv, L, D)
+        # K/V are widened to the query's dtype (a bf16 cache under an fp32 model computes in fp32).
+        k = gather_kv(k_cache, table, max_len).transpose(1, 2).to(q.dtype)  # (nd, Hkv, L, D)
+        v = gather_kv(v_cache, table, max_len).transpose(1, 2).to(q.dtype)  # (nd, Hkv, L, D)
         pos = torch.arange(max_len, device=q.device)  # (L,)
         valid = pos[None, :] < meta.seq_lens[:nd, None].to(q.device)  # (nd, L) padding mask
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(k.dtype),  # (nd, Hq, 1, D)
+            q.unsqueeze(2),  # (nd, Hq, 1, D)
             k,
             v,
             attn_mask=valid[:, None, None, :],  # (nd, 1, 1, L)
             scale=scale,
             enable_gqa=True,
         )  # (nd, Hq, 1, D)
-        return o.squeeze(2).to(q.dtype)
+        return o.squeeze(2)
 
     @staticmethod
     def _causal(
@@ -117,11 +120,11 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # (qlen, Hq, D)
         qlen = q.shape[0]
         nblocks = -(-seq_len // k_cache.shape[1])
-        k = gather_kv(k_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
-        v = gather_kv(v_cache, block_table[:nblocks], seq_len).transpose(0, 1)  # (Hkv, L, D)
-        qh = q.transpose(0, 1).to(k.dtype)  # (Hq, qlen, D)
+        k = gather_kv(k_cache, block_table[:nblocks], seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
+        v = gather_kv(v_cache, block_table[:nblocks], seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
+        qh = q.transpose(0, 1)  # (Hq, qlen, D)
         # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
         rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (qlen, L)
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1).to(q.dtype)  # (qlen, Hq, D)
+        return o.transpose(0, 1)  # (qlen, Hq, D)

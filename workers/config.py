@@ -33,8 +33,13 @@ class CacheConfig:
     kv_cache_tokens: int = 32768  # CPU: KV capacity as a token budget
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory the KV cache may take
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype. "bfloat16": half the bytes per cached token; decode attention on a CPU is
+    # bound by reading the cache, so this trades a little precision for speed and capacity.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto",) + _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         # Powers of two keep slot arithmetic cheap; the CUDA backend checks the sizes its kernels support.
         if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")

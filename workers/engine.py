@@ -107,9 +107,10 @@ def default_backend(device: torch.device) -> AttentionBackend:
 def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) -> LLMEngine:
     """Wrap an already built model (tests use tiny random ones) in a full engine."""
     device = next(model.parameters()).device
-    dtype = _DTYPES[cfg.model.dtype]
-    nb = num_kv_blocks(cfg.cache, device, kv_cache_bytes_per_block(model, cfg.cache.block_size, dtype))
-    runner = ModelRunner(model, nb, cfg.cache.block_size, default_backend(device), device, dtype, cfg.model.seed)
+    kv_dtype = _DTYPES[cfg.model.dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype]
+    nb = num_kv_blocks(cfg.cache, device, kv_cache_bytes_per_block(model, cfg.cache.block_size, kv_dtype))
+    runner = ModelRunner(model, nb, cfg.cache.block_size, default_backend(device), device, kv_dtype,
+                         cfg.model.seed)
     bm = BlockManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
     # A lone request must always fit in the cache, so the context limit is capped by the KV capacity.
     max_model_len = min(max_len, nb * cfg.cache.block_size)

@@ -32,14 +32,14 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 backend: AttentionBackend, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, seed: int = 0) -> None:
         c = model.cfg
         self.model, self.backend, self.device = model, backend, device
         self.block_size = block_size
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         # One K and one V tensor per layer: (NB, BS, Hkv, D)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
+                           torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(c.num_hidden_layers)]
         self.sampler = Sampler(c.vocab_size, device, seed)
 
     def release(self, request_id: str) -> None:

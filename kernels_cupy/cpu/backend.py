@@ -24,8 +24,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (nd, Hq, D)
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-            return super()._decode(q, k_cache, v_cache, meta, scale)  # the kernel is fp32-only
+        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.bfloat16):
+            return super()._decode(q, k_cache, v_cache, meta, scale)  # fp32 queries, fp32/bf16 K/V only
         nd = q.shape[0]
         out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache,
                                                    meta.block_tables[:nd], meta.seq_lens[:nd], scale)

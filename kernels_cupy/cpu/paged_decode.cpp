@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <vector>
 
@@ -25,15 +26,31 @@ static inline void axpy(float* acc, const float* x, float p, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * x[i];
 }
 
+// A K/V row as fp32: fp32 rows are used in place; bf16 rows (a cache stored at half the bytes, which is
+// what decode on a CPU is bound by) are widened into `tmp` (bf16 -> fp32 is a 16-bit shift).
+static inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+static inline const float* row_f32(const at::BFloat16* src, float* tmp, int64_t d) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(u[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    tmp[i] = f;
+  }
+  return tmp;
+}
+
 // q:            (N, Hq, D)        fp32, contiguous
-// k_cache:      (NB, BS, Hkv, D)  fp32, contiguous
-// v_cache:      (NB, BS, Hkv, D)  fp32, contiguous
+// k_cache:      (NB, BS, Hkv, D)  fp32 or bf16, contiguous
+// v_cache:      (NB, BS, Hkv, D)  same dtype as k_cache
 // block_tables: (N, MAXB)         int32, physical block ids
 // seq_lens:     (N,)              int32, context length of each sequence (>= 1)
 // returns       (N, Hq, D)        fp32
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "fp32 only");
+template <typename KV>
+static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -41,10 +58,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t G = Hq / Hkv;
   auto bt_c = block_tables.contiguous();
   auto sl_c = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int32_t* bt = bt_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -52,14 +68,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
   at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(G * D);
+    std::vector<float> acc(G * D), tmp(D);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t n = w / Hkv, h = w % Hkv, L = sl[n];
       const float* qn = qp + (n * Hq + h * G) * D;  // the G query heads of KV head h: (G, D)
       scores.assign(G * L, 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t row = static_cast<int64_t>(bt[n * MAXB + t / BS]) * BS + t % BS;
-        const float* kr = kp + (row * Hkv + h) * D;
+        const float* kr = row_f32(kp + (row * Hkv + h) * D, tmp.data(), D);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qn + g * D, kr, D) * sc;
       }
       for (int64_t g = 0; g < G; ++g) {  // softmax over the context, max-subtracted
@@ -73,12 +89,26 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t row = static_cast<int64_t>(bt[n * MAXB + t / BS]) * BS + t % BS;
-        const float* vr = vp + (row * Hkv + h) * D;
+        const float* vr = row_f32(vp + (row * Hkv + h) * D, tmp.data(), D);
         for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, vr, scores[g * L + t], D);
       }
       std::copy(acc.begin(), acc.end(), op + (n * Hq + h * G) * D);
     }
   });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "queries must be fp32");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
+  auto out = torch::empty_like(q);
+  if (k_cache.dtype() == torch::kFloat32) {
+    paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else if (k_cache.dtype() == torch::kBFloat16) {
+    paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "KV cache must be fp32 or bf16");
+  }
   return out;
 }
 

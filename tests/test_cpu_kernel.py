@@ -1,0 +1,66 @@
+"""The C++ CPU paged-decode kernel against the torch reference (the oracle)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels_cupy.interface import AttentionMetadata
+from kernels_cupy.torch_ref import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def backend():  # type: ignore[no-untyped-def]
+    from kernels_cupy.cpu import load
+    from kernels_cupy.cpu.backend import CpuAttentionBackend
+
+    mod = load()
+    if mod is None:
+        if os.environ.get("KVGATE_CPU_KERNEL") == "0":
+            pytest.skip("CPU kernel switched off with KVGATE_CPU_KERNEL=0")
+        pytest.fail("the CPU kernel failed to build on a machine that has the toolchain")
+    return CpuAttentionBackend(mod)
+
+
+def _meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
+    maxb = max(len(t) for t in tables)
+    n = len(lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_cpu=(1,) * n, seq_lens_cpu=tuple(lens), num_decodes=n, num_decode_tokens=n,
+        max_seq_len=max(lens))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 16, 8)])
+def test_decode_matches_reference(backend, hq: int, hkv: int, d: int, bs: int,  # type: ignore[no-untyped-def]
+                                  kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    nb = 64
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 7 * bs]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for L in lens:
+        n = -(-L // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    tables[5][:3] = tables[4][:3]  # shared (prefix-cached) blocks
+    q = torch.randn(len(lens), hq, d, generator=g)
+    meta = _meta(tables, lens)
+    ref = TorchAttentionBackend()._decode(q, kc, vc, meta, d ** -0.5)
+    got = backend._decode(q, kc, vc, meta, d ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_bf16_queries_fall_back_to_reference(backend) -> None:  # type: ignore[no-untyped-def]
+    kc = torch.randn(4, 4, 1, 8, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 8, dtype=torch.bfloat16)
+    meta = _meta([[2, 1]], [6])
+    torch.testing.assert_close(backend._decode(q, kc, kc, meta, 0.3),
+                               TorchAttentionBackend()._decode(q, kc, kc, meta, 0.3))
