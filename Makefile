@@ -23,6 +23,7 @@ serve: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
 test: setup
+	$(PY) -m mypy --follow-imports=silent workers/core ipc
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -51,9 +51,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the worker process owns its own argument parser
+        from workers.worker import main as worker_main
+
+        return worker_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvgate", description="multi-tenant LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    sub.add_parser("worker", help="run one engine replica connected to a gateway (see kvgate worker -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

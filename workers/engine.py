@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -132,4 +133,15 @@ def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | No
     return model, max_len
 
 
-__all__ = ["LLMEngine", "SchedulerConfig", "build_model", "engine_from_model"]
+def engine_from_config(cfg: EngineConfig) -> tuple[LLMEngine, Path]:
+    """Resolve, load and wrap the configured model; returns the engine and the model's directory."""
+    from workers.model_files import resolve
+    from workers.models.loader import load_state_dict, read_config
+
+    files = resolve(cfg.model.model)
+    llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
+    model, max_len = build_model(llama_cfg, load_state_dict(files.directory), cfg)
+    return engine_from_model(model, cfg, max_len), files.directory
+
+
+__all__ = ["LLMEngine", "SchedulerConfig", "build_model", "engine_from_config", "engine_from_model"]

