@@ -26,7 +26,8 @@ def load() -> Any | None:
         from torch.utils.cpp_extension import load as _load
 
         return _load(name="kvgate_cpu_paged_decode", sources=[str(_SRC)],
-                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)
         return None
