@@ -1,0 +1,247 @@
+"""Online serving benchmark with vLLM ``bench serve`` definitions, against a kvgate (or any OpenAI) server.
+
+    python bench/serve.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 64 \\
+        --max-concurrency 8 --random-input-len 256 --random-output-len 64 [--shared-prefix-len 1024] \\
+        [--request-rate 4] [--output-json out.json]
+    python bench/serve.py --backend engine --model smollm2 ...   # same workload, engine in-process (no HTTP)
+
+Workload (fixed seed): random token-id prompts of ``--random-input-len`` tokens (each with an optional common
+``--shared-prefix-len`` prefix), ``--random-output-len`` tokens each with ``ignore_eos``, sent to
+``/v1/completions`` with streaming. Arrivals are Poisson at ``--request-rate`` (inf: all at once), at most
+``--max-concurrency`` in flight. Metrics as vLLM defines them:
+- TTFT: request sent -> first streamed token; E2E: request sent -> last byte;
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request with more than one output token;
+- ITL: gaps between consecutive streamed chunks; throughput: requests, output tokens, and input + output
+  tokens per second over the benchmark's wall time (first send to last completion).
+Only 127.0.0.1/localhost is targeted; every run is bounded by ``--num-prompts`` and ``--max-duration``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+MAX_PROMPTS = 10_000
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def make_workload(a: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(a.seed)
+    lo = 100  # skip the lowest ids: special and control tokens in most vocabularies
+    prefix = [rng.randrange(lo, vocab) for _ in range(a.shared_prefix_len)]
+    return [prefix + [rng.randrange(lo, vocab) for _ in range(a.random_input_len)] for _ in range(a.num_prompts)]
+
+
+def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return list(rng.exponential(1.0 / rate, size=n))  # Poisson process (vLLM's burstiness 1)
+
+
+# ---- HTTP backend -------------------------------------------------------------------------------
+
+async def one_request(client: Any, a: argparse.Namespace, prompt: list[int]) -> Result:
+    body = {"model": a.model, "prompt": prompt, "max_tokens": a.random_output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(False, len(prompt))
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", f"{a.base_url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"].get("code"))
+                    return res
+                now = time.perf_counter()
+                if data.get("usage"):
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if data.get("choices") and data["choices"][0].get("text"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - t0
+        res.ok = res.ttft > 0
+    except Exception as e:  # a benchmark reports failures, it does not stop on them
+        res.error = type(e).__name__
+    return res
+
+
+async def run_http(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Result], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    limits = httpx.Limits(max_connections=a.max_concurrency or len(prompts))
+    sem = asyncio.Semaphore(a.max_concurrency or len(prompts))
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(a.max_duration), limits=limits) as client:
+        async def limited(p: list[int]) -> Result:
+            async with sem:
+                return await one_request(client, a, p)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p, gap in zip(prompts, arrival_gaps(len(prompts), a.request_rate, a.seed)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(p)))
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=a.max_duration)
+        return list(results), time.perf_counter() - t0
+
+
+# ---- in-process engine backend (the same workload without gateway, HTTP or IPC) --------------------
+
+def run_engine(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Result], float]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from workers.core.sampling_params import SamplingParams
+    from workers.llm import LLM
+
+    llm = LLM(a.model, kv_cache_tokens=a.kv_cache_tokens)
+    params = SamplingParams(max_tokens=a.random_output_len, temperature=0.0, ignore_eos=True)
+    gaps = arrival_gaps(len(prompts), a.request_rate, a.seed)
+    arrivals = list(np.cumsum(gaps))
+    limit = a.max_concurrency or len(prompts)
+    results = [Result(False, len(p)) for p in prompts]
+    sent: dict[str, tuple[int, float, float]] = {}  # request id -> (index, send time, last token time)
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(prompts) or sent:
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and len(sent) < limit and arrivals[nxt] <= now:
+            llm.engine.add_request(f"b{nxt}", prompts[nxt], params)
+            sent[f"b{nxt}"] = (nxt, time.perf_counter(), 0.0)
+            nxt += 1
+        if not sent:
+            time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)))
+            continue
+        for o in llm.engine.step():
+            i, ts, last = sent[o.request_id]
+            t = time.perf_counter()
+            r = results[i]
+            if o.new_token_ids:
+                r.output_tokens += len(o.new_token_ids)
+                if r.ttft == 0.0:
+                    r.ttft = t - ts
+                else:
+                    r.itl.append(t - last)
+                sent[o.request_id] = (i, ts, t)
+            if o.finish_reason is not None:
+                r.e2e, r.ok = t - ts, True
+                del sent[o.request_id]
+        if time.perf_counter() - t0 > a.max_duration:
+            break
+    return results, time.perf_counter() - t0
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def summarize(results: list[Result], duration: float, percentiles: list[float]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    summary: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "errors": sorted({r.error for r in results if r.error}),
+    }
+    series = {"ttft": [r.ttft for r in ok], "e2el": [r.e2e for r in ok],
+              "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+              "itl": [x for r in ok for x in r.itl]}
+    for name, xs in series.items():
+        arr = np.array(xs or [0.0]) * 1000.0  # milliseconds, as vLLM reports them
+        summary[f"mean_{name}_ms"] = float(arr.mean())
+        summary[f"median_{name}_ms"] = float(np.median(arr))
+        for p in percentiles:
+            summary[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
+    return summary
+
+
+def print_table(s: dict[str, Any], a: argparse.Namespace) -> None:
+    print(f"{' Serving Benchmark Result ':=^60}")
+    rows = [("Backend", a.backend), ("Max concurrency", a.max_concurrency or "inf"),
+            ("Request rate (req/s)", a.request_rate), ("Successful requests", s["completed"]),
+            ("Failed requests", s["failed"]), ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+            ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
+    for k, v in rows:
+        print(f"{k:<40}{v:>20}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print(f"{title:-^60}")
+        for key in [k for k in s if k.endswith(f"_{name}_ms")]:
+            print(f"{key.replace('_', ' ').replace(' ms', ' (ms)').capitalize():<40}{s[key]:>20.2f}")
+    if s["errors"]:
+        print(f"errors: {', '.join(s['errors'])}")
+    print("=" * 60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["http", "engine"], default="http")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="smollm2", help="served model name (http) or model to load (engine)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds; the run is cut off past it")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768, help="engine backend only")
+    p.add_argument("--output-json", default=None)
+    a = p.parse_args(argv)
+    if not 1 <= a.num_prompts <= MAX_PROMPTS:
+        p.error(f"--num-prompts must be in [1, {MAX_PROMPTS}]")
+    if a.backend == "http" and urlparse(a.base_url).hostname not in LOCAL_HOSTS:
+        p.error("--base-url must point at 127.0.0.1 or localhost")
+    a.base_url = a.base_url.rstrip("/")
+    prompts = make_workload(a, a.vocab_size)
+    if a.backend == "http":
+        results, duration = asyncio.run(run_http(a, prompts))
+    else:
+        results, duration = run_engine(a, prompts)
+    summary = summarize(results, duration, [float(x) for x in a.metric_percentiles.split(",")])
+    print_table(summary, a)
+    if a.output_json:
+        config = {k: v for k, v in vars(a).items() if k != "api_key"}
+        Path(a.output_json).write_text(json.dumps({"config": config, **summary}, indent=2))
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The ``kvgate`` command: ``serve`` (the gateway plus N supervised local workers) and the engine-side
+``worker`` and ``generate``, which are dispatched to ``workers.cli`` without loading the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+
+DEFAULT_PORT = 8000
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p: argparse.ArgumentParser = sub.add_parser("serve", help="serve the OpenAI API (gateway + local workers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--model", default="smollm2", help="alias, .gguf file or safetensors directory")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes (0: only external workers)")
+    p.add_argument("--zmq-bind", default="tcp://127.0.0.1:0",
+                   help="ROUTER address workers connect to; a fixed port lets workers started by hand join")
+    p.add_argument("--api-key", default=None, help="one static bearer key for the /v1 API")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
+    p.add_argument("--max-queued-prompt-tokens", type=int, default=262_144, help="per worker, before 503")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without Stats: worker dead")
+    p.add_argument("--sse-ping-interval", type=float, default=10.0)
+    g = p.add_argument_group("engine (passed to local workers)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    from gateway.config import AdmissionConfig, EngineArgs, GatewayConfig, TimingConfig
+
+    return GatewayConfig(
+        model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
+        zmq_bind=a.zmq_bind, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+        engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
+                          a.max_num_batched_tokens),
+        admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
+        timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
+                            sse_ping_interval=a.sse_ping_interval))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from gateway.server import serve
+
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"kvgate serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve, cfg)
+    except ValueError as e:  # an unknown model, a bad directory: a message, not a traceback
+        print(f"kvgate serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``kvgate`` entry point. ``serve`` runs here (no torch in this process); ``worker`` and
+    ``generate`` are engine-side commands, handed to ``workers.cli`` before anything of the gateway loads."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["worker"], ["generate"]):
+        from workers.cli import main as engine_main
+
+        return engine_main(argv)
+    parser = argparse.ArgumentParser(prog="kvgate", description="multi-tenant LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    sub.add_parser("worker", help="run one engine replica connected to a gateway (kvgate worker -h)")
+    sub.add_parser("generate", help="stream a completion in-process, no server (kvgate generate -h)")
+    return cmd_serve(parser.parse_args(argv))

@@ -1,0 +1,100 @@
+"""Gateway configuration: one frozen dataclass of sub-configs, validated on construction.
+
+The engine knobs are not interpreted here: they are passed through to every local worker's command line
+(the worker validates them for real); the gateway only checks what it needs to route and to refuse early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Knobs forwarded to local workers as ``--flag value``; None means the worker's default."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+    def argv(self) -> list[str]:
+        out = ["--device", self.device, "--dtype", self.dtype]
+        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None:
+                out += [f"--{name.replace('_', '-')}", str(v)]
+        return out
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Per-worker bounds on what the gateway hands a worker before answering 503 (never an unbounded queue)."""
+
+    max_requests: int = 256  # in flight on one worker (running + waiting there)
+    max_prompt_tokens: int = 262_144  # prompt tokens in flight on one worker
+    affinity_entries: int = 10_000  # bounded LRU of prefix hash -> worker
+    affinity_slack: int = 8  # follow a prefix to its worker unless it has this many more requests than the least loaded
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1 or self.max_prompt_tokens < 1 or self.affinity_entries < 1:
+            raise ValueError("admission bounds must be >= 1")
+        if self.affinity_slack < 0:
+            raise ValueError("affinity_slack must be >= 0")
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    request_timeout: float | None = None  # seconds per request, None: no deadline
+    heartbeat_timeout: float = 3.0  # a worker silent this long (no Stats) is declared dead
+    sse_ping_interval: float = 10.0  # ": ping" comment while a stream waits for its next token
+    ipc_send_timeout: float = 5.0  # every send to a worker is bounded; past it the worker is declared dead
+    restart_backoff_initial: float = 0.5
+    restart_backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        for name in ("heartbeat_timeout", "sse_ping_interval", "ipc_send_timeout", "restart_backoff_initial",
+                     "restart_backoff_max"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1  # local worker subprocesses to spawn and supervise (0: external workers only)
+    zmq_bind: str = "tcp://127.0.0.1:0"
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    timing: TimingConfig = field(default_factory=TimingConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must send as ``model`` (and that /v1/models lists)."""
+        return self.served_model_name or self.model

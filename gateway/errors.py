@@ -1,0 +1,54 @@
+"""OpenAI-shaped errors: one exception type the routes raise, one JSON shape every error response has.
+
+``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status, whether the failure is a bad
+parameter (400), a bad key (401), an unknown model (404), an oversized body (413), no capacity (503 with an
+accurate ``retry-after``) or a timeout (504). Messages name fields and sizes, never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# OpenAI's error "type" per status class; clients (the SDKs) key on status, humans on type/code.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape. Raise it anywhere in request handling."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 err_type: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.retry_after is not None:
+            # Whole seconds (RFC 9110), rounded up so a client that obeys it never comes back too early.
+            headers["retry-after"] = str(max(1, math.ceil(self.retry_after)))
+        if self.status == 400 or self.status == 404 or self.status == 413:
+            headers["x-should-retry"] = "false"  # the OpenAI SDKs honour this: retrying cannot help
+        return headers
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after: float, code: str = "no_capacity") -> APIError:
+    return APIError(503, message, code=code, retry_after=retry_after)

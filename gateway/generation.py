@@ -1,0 +1,80 @@
+"""From worker outputs to client text: incremental detokenization, stop strings, logprobs, usage counts.
+
+Stop strings are the gateway's job (the worker only knows token ids). While a request runs, the last
+``len(longest stop) - 1`` characters are held back, so text that turns out to start a stop string is never
+sent; once a stop string appears, the text is cut before it, the request finishes with "stop", and the
+caller aborts it on the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.tokenizer import GatewayTokenizer
+from ipc.messages import RequestOutputMsg, TokenLogprobs
+from workers.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per token in token_ids, when logprobs were asked for
+    finish_reason: str | None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class OutputAssembler:
+    """Accumulates one request's outputs; ``add`` returns what may be sent to the client now."""
+
+    def __init__(self, tok: GatewayTokenizer, stop: tuple[str, ...], want_logprobs: bool) -> None:
+        self._detok = IncrementalDetokenizer(tok)
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._want_logprobs = want_logprobs
+        self.text = ""  # decoded text so far (cut at a stop string once one is found)
+        self._emitted = 0  # characters of self.text already handed out
+        self._searched = 0  # self.text[:_searched] is known to contain no stop string
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.hit_stop_string = False  # the worker still runs the request: the caller must abort it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, out: RequestOutputMsg) -> Delta:
+        if self.finished:
+            return Delta("", [], None, None)
+        self.token_ids.extend(out.new_token_ids)
+        new_logprobs = list(out.logprobs) if self._want_logprobs and out.logprobs else None
+        if new_logprobs:
+            self.logprobs.extend(new_logprobs)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.text += self._detok.add(out.new_token_ids)
+        finish = out.finish_reason
+        if self._stop and self._cut_at_stop():
+            finish = "stop"
+            self.hit_stop_string = out.finish_reason is None
+        end = len(self.text) if finish is not None else max(self._emitted, len(self.text) - self._hold)
+        text, self._emitted = self.text[self._emitted:end], end
+        self.finish_reason = finish
+        return Delta(text, list(out.new_token_ids), new_logprobs, finish)
+
+    def _cut_at_stop(self) -> bool:
+        start = max(0, self._searched - self._hold)  # a stop string may straddle the old end
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        self._searched = len(self.text)
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        self._emitted = min(self._emitted, len(self.text))  # never true in practice: held-back text
+        return True

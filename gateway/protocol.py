@@ -1,0 +1,285 @@
+"""Parse and validate OpenAI request bodies into one engine-ready ``GenerationRequest``.
+
+Every accepted field is listed here with its type; anything else is a 400 naming the field ("nothing is
+silently ignored"). Ranges are checked by the engine's own ``SamplingParams`` so the gateway and the worker
+can never disagree on what is valid. A JSON ``null`` means "not given", as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.errors import APIError, bad_request
+from gateway.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
+from ipc.messages import SamplingValue
+from workers.core.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = ("system", "developer", "user", "assistant")
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: Kind
+    prompt_ids: list[int]
+    sampling: dict[str, SamplingValue]  # SamplingParams.to_dict(): what the worker gets
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # whether to return logprobs at all
+    top_logprobs: int  # alternatives per token when logprobs
+
+
+# ---- field types ---------------------------------------------------------------------------------
+
+def _is_bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _is_str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _is_any(v: Any) -> bool:  # structured fields checked by their own parser below
+    return True
+
+
+_TYPE_NAMES: dict[Callable[[Any], bool], str] = {
+    _is_bool: "a boolean", _is_int: "an integer", _is_number: "a number", _is_str: "a string", _is_any: "a value"}
+
+_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "temperature": _is_number, "top_p": _is_number, "top_k": _is_int, "min_p": _is_number, "seed": _is_int,
+    "presence_penalty": _is_number, "frequency_penalty": _is_number, "repetition_penalty": _is_number,
+    "min_tokens": _is_int, "ignore_eos": _is_bool, "stop_token_ids": _is_any,
+}
+_COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
+    "n": _is_int, "user": _is_str, **_SAMPLING_FIELDS,
+}
+CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
+               "top_logprobs": _is_int}
+COMPLETION_FIELDS = {**_COMMON_FIELDS, "prompt": _is_any, "logprobs": _is_int, "echo": _is_bool,
+                     "best_of": _is_int}
+
+
+def check_fields(body: Any, allowed: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """The body as a dict without nulls, every key known and of the right JSON type."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        check = allowed.get(key)
+        if check is None:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key,
+                              code="unrecognized_argument")
+        if value is None:
+            continue
+        if not check(value):
+            raise bad_request(f"'{key}' must be {_TYPE_NAMES[check]}, got {_json_type(value)}", param=key)
+        out[key] = value
+    return out
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), "null")
+
+
+# ---- structured fields --------------------------------------------------------------------------
+
+def _stop(fields: dict[str, Any]) -> tuple[str, ...]:
+    stop = fields.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("'stop' must be a string or an array of strings", param="stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' allows at most {MAX_STOP_STRINGS} strings", param="stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in items):
+        raise bad_request(f"'stop' strings must have 1..{MAX_STOP_CHARS} characters", param="stop")
+    return tuple(items)
+
+
+def _stream_options(fields: dict[str, Any], stream: bool) -> bool:
+    opts = fields.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    for key, value in opts.items():
+        if key != "include_usage":
+            raise bad_request(f"Unrecognized request argument supplied: stream_options.{key}",
+                              param=f"stream_options.{key}", code="unrecognized_argument")
+        if value is not None and type(value) is not bool:
+            raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options")
+    return bool(opts.get("include_usage"))
+
+
+def _token_ids(value: Any, vocab_size: int, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise bad_request(f"'{param}' must be an array of integers", param=param)
+    if any(not 0 <= t < vocab_size for t in value):
+        raise bad_request(f"'{param}' holds token ids outside [0, {vocab_size})", param=param)
+    return value
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: text only (this server has no vision or audio models)
+        texts: list[str] = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}[{i}]' must be a text content part", param=where)
+            if set(part) - {"type", "text"}:
+                raise bad_request(f"'{where}[{i}]' has unsupported keys", param=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"'{where}' must be a string or an array of text parts", param=where)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object", param=where)
+        unknown = sorted(set(m) - {"role", "content"})
+        if unknown:
+            raise bad_request(f"Unrecognized request argument supplied: {where}.{unknown[0]}",
+                              param=f"{where}.{unknown[0]}", code="unrecognized_argument")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}", param=f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one: [text] or [[ids]]
+    if isinstance(value, str):
+        try:
+            ids = tok.encode(value)
+        except InvalidText as e:
+            raise bad_request(str(e), param="prompt") from e
+    elif isinstance(value, list) and all(type(t) is int for t in value):
+        ids = _token_ids(value, tok.vocab_size, "prompt")
+    elif isinstance(value, list):
+        raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt")
+    else:
+        raise bad_request("'prompt' must be a string or an array of token ids", param="prompt")
+    if not ids:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    return ids
+
+
+# ---- assembly ----------------------------------------------------------------------------------
+
+_PARAM_RE = re.compile(r"^([a-z_]+) ")
+
+
+def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int) -> dict[str, Any]:
+    kw = {k: fields[k] for k in _SAMPLING_FIELDS if k in fields}
+    if "stop_token_ids" in kw:
+        kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, **kw).to_dict()
+    except ValueError as e:  # the engine's own range check; its messages start with the field name
+        m = _PARAM_RE.match(str(e))
+        raise bad_request(str(e), param=m.group(1) if m else None) from e
+
+
+def _max_tokens(fields: dict[str, Any], key: str, prompt_len: int, max_model_len: int | None,
+                default: int | None, prompt_param: str) -> int:
+    room = None if max_model_len is None else max_model_len - prompt_len
+    if room is not None and room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {prompt_len} tokens, leaving no room for a completion.",
+                       code="context_length_exceeded", param=prompt_param)
+    requested = fields.get(key, default)
+    if requested is None:
+        requested = room if room is not None else 16
+    if requested < 1:
+        raise bad_request(f"'{key}' must be at least 1, got {requested}", param=key)
+    if room is not None and requested > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                       "for the completion). Please reduce the prompt or the completion length.",
+                       code="context_length_exceeded", param=key)
+    return int(requested)
+
+
+def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...]]:
+    if fields.get("n", 1) != 1:
+        raise bad_request("only 'n': 1 is supported", param="n")
+    stream = bool(fields.get("stream", False))
+    return stream, _stream_options(fields, stream), _stop(fields)
+
+
+def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None) -> GenerationRequest:
+    fields = check_fields(body, CHAT_FIELDS)
+    stream, include_usage, stop = _common_checks(fields)
+    if "messages" not in fields:
+        raise bad_request("'messages' is required", param="messages")
+    messages = _messages(fields["messages"])
+    logprobs = bool(fields.get("logprobs", False))
+    top = fields.get("top_logprobs")
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+    if "max_tokens" in fields and "max_completion_tokens" in fields:
+        raise bad_request("give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
+    try:
+        prompt_ids = tok.apply_chat_template(messages)
+    except (ChatTemplateError, InvalidText) as e:
+        raise bad_request(str(e), param="messages") from e
+    key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages")
+    n_top = (top or 0) if logprobs else None
+    return GenerationRequest("chat", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
+                             max_tokens, stop, stream, include_usage, logprobs, n_top or 0)
+
+
+def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None) -> GenerationRequest:
+    fields = check_fields(body, COMPLETION_FIELDS)
+    stream, include_usage, stop = _common_checks(fields)
+    if fields.get("echo", False):
+        raise bad_request("'echo': true is not supported", param="echo")
+    if fields.get("best_of", 1) != 1:
+        raise bad_request("only 'best_of': 1 is supported", param="best_of")
+    if "prompt" not in fields:
+        raise bad_request("'prompt' is required", param="prompt")
+    prompt_ids = _completion_prompt(fields["prompt"], tok)
+    n_top = fields.get("logprobs")
+    if n_top is not None and not 0 <= n_top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    max_tokens = _max_tokens(fields, "max_tokens", len(prompt_ids), max_model_len,
+                             COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+    return GenerationRequest("completion", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
+                             max_tokens, stop, stream, include_usage, n_top is not None, n_top or 0)

@@ -1,0 +1,182 @@
+"""Driving one request to its end, as a plain JSON response or as a Server-Sent Events stream.
+
+Streams follow the Trio rule of never yielding inside a nursery or cancel scope: a producer task in the
+app-level nursery waits on the worker (under the request deadline, sending ``: ping`` comments while idle)
+and puts finished SSE events into a small bounded channel; the response body (``SSEBody``) only drains that
+channel. When the client goes away, Quart closes the body, which cancels the producer, whose ``finally``
+releases the request so the pool aborts it on the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
+from typing import Any
+
+import trio
+
+from gateway.errors import APIError
+from gateway.generation import Delta, OutputAssembler
+from gateway.handle import RequestFailed, RequestHandle
+from gateway.pool import WorkerPool
+from gateway.responses import ResponseBuilder
+
+log = logging.getLogger("kvgate.gateway.streaming")
+
+SSE_BUFFER = 16  # events between producer and client; a slow client applies backpressure past it
+CONSUMER_STALL_S = 60.0  # a client that takes nothing for this long is treated as gone
+DONE = "data: [DONE]\n\n"
+PING = ": ping\n\n"
+
+
+def failure_to_api_error(e: RequestFailed) -> APIError:
+    if e.code in ("invalid_request", "context_length_exceeded"):
+        return APIError(400, e.message, code=e.code)
+    if e.code == "timeout":
+        return APIError(504, e.message, code="timeout")
+    if e.code in ("worker_died", "draining"):
+        return APIError(503, e.message, code=e.code, retry_after=1.0)
+    return APIError(500, e.message, code=e.code)
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def follow(handle: RequestHandle, asm: OutputAssembler, emit: Callable[[Delta], Awaitable[None]],
+                 ping: Callable[[], Awaitable[None]] | None = None, ping_interval: float = 10.0) -> None:
+    """Feed the worker's outputs through ``asm`` until the request finishes; raises RequestFailed."""
+    while not asm.finished:
+        if ping is None:
+            outs = await handle.next_outputs()
+        else:
+            outs = []
+            with trio.move_on_after(ping_interval):
+                outs = await handle.next_outputs()
+            if not outs:
+                await ping()
+                continue
+        for out in outs:
+            if out.error is not None:  # the prompt can never fit on this worker
+                raise RequestFailed("context_length_exceeded", out.error)
+            if out.finish_reason == "abort":  # the worker gave up on it (its deadline passed)
+                raise RequestFailed("timeout", "the request timed out")
+            await emit(asm.add(out))
+            if asm.finished:
+                break
+
+
+def _deadline(timeout: float | None) -> Any:
+    return trio.fail_after(timeout) if timeout is not None else nullcontext()
+
+
+async def complete(pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
+                   timeout: float | None) -> dict[str, Any]:
+    """The non-streaming path, run in the route handler itself (a disconnect cancels it)."""
+    async def emit(_: Delta) -> None:
+        pass
+
+    try:
+        with _deadline(timeout):
+            await follow(handle, asm, emit)
+    except trio.TooSlowError:
+        raise APIError(504, "the request timed out", code="timeout") from None
+    except RequestFailed as e:
+        raise failure_to_api_error(e) from None
+    finally:
+        pool.release(handle)  # aborts it on the worker unless it finished there (stop string, cancel)
+    return builder.final(asm)
+
+
+class ConsumerGone(Exception):
+    pass
+
+
+class SSEBody:
+    """The streaming response body: drains the producer's channel. Closing it cancels the producer."""
+
+    def __init__(self, events: trio.MemoryReceiveChannel[str], producer_scope: trio.CancelScope) -> None:
+        self._events = events
+        self._scope = producer_scope
+
+    def __aiter__(self) -> SSEBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return (await self._events.receive()).encode()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        # No checkpoint here: Quart calls this while the connection's scope is already cancelled.
+        self._scope.cancel()
+        self._events.close()
+
+
+class StreamProducer:
+    """The task side of one stream; run it with ``nursery.start_soon(producer.run)``."""
+
+    def __init__(self, pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
+                 timeout: float | None, ping_interval: float) -> None:
+        self.pool, self.handle, self.asm, self.builder = pool, handle, asm, builder
+        self.timeout, self.ping_interval = timeout, ping_interval
+        self.scope = trio.CancelScope()
+        self._send, self.events = trio.open_memory_channel[str](SSE_BUFFER)
+
+    def body(self) -> SSEBody:
+        return SSEBody(self.events, self.scope)
+
+    async def _put(self, event: str) -> None:
+        with trio.move_on_after(CONSUMER_STALL_S):
+            await self._send.send(event)
+            return
+        raise ConsumerGone()
+
+    async def _emit(self, d: Delta) -> None:
+        chunk = self.builder.delta_chunk(d)
+        if chunk is not None:
+            await self._put(sse_event(chunk))
+
+    async def run(self) -> None:
+        try:
+            with self.scope:
+                async with self._send:
+                    await self._stream()
+        finally:
+            self.pool.release(self.handle)
+
+    async def _stream(self) -> None:
+        try:
+            first = self.builder.first_chunk()
+            if first is not None:
+                await self._put(sse_event(first))
+            with _deadline(self.timeout):
+                await follow(self.handle, self.asm, self._emit, self._ping, self.ping_interval)
+            if self.builder.req.include_usage:
+                await self._put(sse_event(self.builder.usage_chunk(self.asm)))
+            await self._put(DONE)
+        except (trio.BrokenResourceError, ConsumerGone):
+            return  # the client is gone: nothing to tell it
+        except trio.TooSlowError:
+            await self._fail(APIError(504, "the request timed out", code="timeout"))
+        except RequestFailed as e:
+            await self._fail(failure_to_api_error(e))
+
+    async def _ping(self) -> None:
+        try:
+            self._send.send_nowait(PING)
+        except trio.WouldBlock:
+            pass  # the client has not even read the last events: it needs no keep-alive
+
+    async def _fail(self, err: APIError) -> None:
+        # After the stream started the status is already 200: an error event, then [DONE].
+        log.info("stream %s failed: %s (%s)", self.handle.request_id, err.code, err.status)
+        try:
+            with trio.move_on_after(1.0):
+                await self._send.send(sse_event(err.body()))
+                await self._send.send(DONE)
+        except trio.BrokenResourceError:
+            pass

@@ -1,0 +1,132 @@
+"""Spawn and supervise the gateway's local worker subprocesses.
+
+One task per worker slot runs the worker, waits for it to exit, tells the pool (so its requests fail at
+once), and restarts it after an exponential backoff (reset once a worker has run for a while). When the
+gateway stops, the slot's task is cancelled and the worker is terminated, then killed; when the gateway is
+SIGKILLed, the kernel kills the workers (PR_SET_PDEATHSIG) and they also watch their parent pid themselves.
+
+Processes are forked from the Trio thread on purpose: PR_SET_PDEATHSIG fires when the *thread* that forked
+the child exits, and ``trio.lowlevel.open_process`` forks from a short-lived worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+
+from gateway.config import EngineArgs, TimingConfig
+from gateway.pool import WorkerPool
+
+log = logging.getLogger("kvgate.gateway.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+HEALTHY_RUN_S = 60.0  # a worker that ran this long resets the backoff: its next crash is not a crash loop
+DEFAULT_STARTUP_S = 10.0  # guess of spawn-to-Hello time until one was measured
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the worker's own --parent-pid watch still applies
+
+
+async def wait_process(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for a child without blocking Trio (a pidfd where the OS has one, else polling)."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        while proc.poll() is None:
+            await trio.sleep(0.05)
+        return proc.returncode
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    return proc.wait()
+
+
+class Supervisor:
+    def __init__(self, pool: WorkerPool, count: int, connect: str, model: str | Path, served_model_name: str,
+                 engine: EngineArgs, timing: TimingConfig, python: str = sys.executable) -> None:
+        self._pool = pool
+        self._count = count
+        self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
+                          "--served-model-name", served_model_name, "--parent-pid", str(os.getpid()),
+                          *engine.argv()]
+        self._timing = timing
+        self._next_start: dict[int, float] = {}  # slot -> trio time of its next (re)start
+        self._startup_s: float | None = None  # measured spawn-to-Hello time of the last start
+        self.pids: dict[str, int] = {}  # worker id -> pid of the running process (for tests and logs)
+
+    def worker_ids(self) -> set[str]:
+        return {f"w{slot}" for slot in range(self._count)}
+
+    def command(self, worker_id: str) -> list[str]:
+        return [*self._base_cmd, "--worker-id", worker_id]
+
+    def restart_eta(self) -> float | None:
+        """Seconds until a local worker is likely to say Hello (None without local workers)."""
+        if not self._next_start:
+            return None
+        now = trio.current_time()
+        wait = min(max(0.0, t - now) for t in self._next_start.values())
+        return wait + (self._startup_s if self._startup_s is not None else DEFAULT_STARTUP_S)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for slot in range(self._count):
+                nursery.start_soon(self._supervise, slot)
+            task_status.started()
+
+    async def _supervise(self, slot: int) -> None:
+        worker_id = f"w{slot}"  # stable across restarts: metrics labels and affinity survive a crash
+        failures = 0
+        while True:
+            started = trio.current_time()
+            self._next_start[slot] = started
+            rc = await self._run_once(worker_id, started)
+            if trio.current_time() - started >= HEALTHY_RUN_S:
+                failures = 0
+            delay = min(self._timing.restart_backoff_max, self._timing.restart_backoff_initial * 2 ** failures)
+            failures += 1
+            log.warning("worker %s exited with %s; restarting in %.1fs", worker_id, rc, delay)
+            self._next_start[slot] = trio.current_time() + delay
+            await trio.sleep(delay)
+
+    async def _run_once(self, worker_id: str, started: float) -> int:
+        # Popen from the Trio thread (see the module docstring); a fork+exec takes milliseconds.
+        proc = subprocess.Popen(self.command(worker_id), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.pids[worker_id] = proc.pid
+        log.info("started worker %s (pid %d)", worker_id, proc.pid)
+        try:
+            rc = await wait_process(proc)
+        finally:
+            with trio.CancelScope(shield=True):  # never leave a child behind, even when cancelled
+                await _stop(proc)
+                self.pids.pop(worker_id, None)
+                hello_at = self._pool.hello_times.pop(proc.pid, None)
+                if hello_at is not None:
+                    self._startup_s = hello_at - started
+                self._pool.process_exited(worker_id, proc.pid)
+        return rc
+
+
+async def _stop(proc: subprocess.Popen[bytes], grace: float = 3.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    with trio.move_on_after(grace):
+        await wait_process(proc)
+        return
+    proc.kill()
+    await wait_process(proc)
+

@@ -1,0 +1,109 @@
+"""Gateway pieces without HTTP or workers: torch-free imports, request validation, stop strings, routing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import AdmissionConfig
+from gateway.errors import APIError
+from gateway.generation import OutputAssembler
+from gateway.protocol import parse_chat, parse_completion
+from gateway.routing import Router, WorkerLoad, prefix_keys
+from gateway.tokenizer import GatewayTokenizer, resolve_model_dir
+from ipc.messages import RequestOutputMsg
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gateway_never_imports_torch_or_cupy() -> None:
+    code = ("import sys, gateway.app, gateway.server, gateway.cli, gateway.supervisor; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy', 'transformers')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok() -> GatewayTokenizer:
+    return GatewayTokenizer(resolve_model_dir("smollm2"))  # converted once; only the tokenizer is read
+
+
+class _FakeTok:
+    """Each token id is one character, so stop-string tests can spell text exactly."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _out(text: str, finish: str | None = None) -> RequestOutputMsg:
+    return RequestOutputMsg("r", [ord(c) for c in text], finish, 0, None, None)
+
+
+def test_chat_template_matches_transformers(tok: GatewayTokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tok.directory)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(conv) == hf.encode(text, add_special_tokens=False)
+
+
+def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                      "stop": "x", "top_k": 5, "seed": 3, "max_completion_tokens": 7, "user": None}, tok, 4096)
+    assert req.max_tokens == 7 and req.stop == ("x",) and req.sampling["top_k"] == 5
+    assert req.sampling["seed"] == 3 and req.sampling["logprobs"] is None
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}]}, tok, 100)
+    assert req.max_tokens == 100 - len(req.prompt_ids)  # chat default: the rest of the context
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": "m", "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
+    ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+    ({"model": "m", "prompt": [[1], [2]]}, "prompt"),
+])
+def test_parse_completion_rejects(tok: GatewayTokenizer, body: dict[str, object], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_completion(body, tok, 4096)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_stop_string_never_leaks_across_outputs() -> None:
+    asm = OutputAssembler(_FakeTok(), ("END",), False)  # type: ignore[arg-type]
+    sent = [asm.add(_out(piece)).text for piece in ("hello E", "N", "D and more")]
+    assert "".join(sent) == "hello " and asm.finish_reason == "stop" and asm.hit_stop_string
+
+
+def test_stop_string_held_back_text_is_flushed_at_finish() -> None:
+    asm = OutputAssembler(_FakeTok(), ("STOP",), False)  # type: ignore[arg-type]
+    first = asm.add(_out("abcST"))
+    last = asm.add(_out("O", "length"))
+    assert first.text + last.text == "abcSTO" and asm.finish_reason == "length" and not asm.hit_stop_string
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    asm = OutputAssembler(_FakeTok(), ("zz", "b"), False)  # type: ignore[arg-type]
+    d = asm.add(_out("aazzb"))
+    assert d.text == "aa" and d.finish_reason == "stop"
+
+
+def test_router_least_loaded_affinity_and_admission() -> None:
+    r = Router(AdmissionConfig(max_requests=2, max_prompt_tokens=1000, affinity_slack=1))
+    prompt = list(range(300))
+    keys = prefix_keys("salt", prompt)
+    assert len(keys) == 2 and prefix_keys("other", prompt) != keys  # salts never share affinity
+    loads = [WorkerLoad("a", 1, 10, 0.1), WorkerLoad("b", 0, 0, 0.0)]
+    assert r.choose(loads, keys, 300) == "b"  # least loaded
+    r.record(keys, "a")
+    assert r.choose(loads, keys, 300) == "a"  # the worker that has the prefix, within the slack
+    assert r.choose([WorkerLoad("a", 2, 10, 0.1), WorkerLoad("b", 0, 0, 0.0)], keys, 300) == "b"  # a is full
+    assert r.choose([WorkerLoad("a", 2, 0, 0.0), WorkerLoad("b", 1, 900, 0.0)], keys, 300) is None
+    assert r.choose([WorkerLoad("a", 0, 0, 0.0)], [], 5000) == "a"  # a big prompt still fits an idle worker
+    r.forget_worker("a")
+    assert r.choose(loads, keys, 300) == "b"
