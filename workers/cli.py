@@ -1,5 +1,6 @@
-"""``kvgate`` command line. Until the gateway lands, the main job is ``kvgate generate``: stream a
-completion for a prompt to the terminal through the full engine (paged KV cache, scheduler, sampler)."""
+"""Engine-side ``kvgate`` commands (``gateway.cli.main`` dispatches here): ``kvgate generate`` streams a
+completion for a prompt to the terminal through the full engine in-process; ``kvgate worker`` runs one
+engine replica for a gateway."""
 
 from __future__ import annotations
 

@@ -97,9 +97,9 @@ def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int
 
 def default_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
-        from kernels_cupy.cupy_backend import CupyAttentionBackend  # only where CUDA exists
+        from kernels_cupy import cuda_backend_or_reference  # CuPy kernels, or the reference (logged)
 
-        return CupyAttentionBackend()
+        return cuda_backend_or_reference(device)
     from kernels_cupy.cpu import cpu_backend_or_reference
 
     return cpu_backend_or_reference()  # type: ignore[no-any-return]

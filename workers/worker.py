@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         w.monitor.close(linger=0)
-        sock.close(linger=0)
+        sock.close(linger=1000)  # let a queued Goodbye leave; bounded so a vanished gateway cannot hold us
         ctx.term()
     return 0
 
