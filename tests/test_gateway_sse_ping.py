@@ -1,0 +1,39 @@
+"""SSE keeps the connection alive with ``: ping`` comments while a request waits, and stops once it is
+done. Driven on Trio's autojump clock, so the timing is exact and the test takes no wall time."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from gateway.generation import Delta, OutputAssembler
+from gateway.handle import RequestHandle
+from gateway.streaming import follow
+from tests.test_gateway_units import _FakeTok, _out
+
+
+@pytest.mark.trio
+async def test_pings_while_waiting_then_stream_finishes(autojump_clock: trio.abc.Clock) -> None:
+    handle = RequestHandle("r", "w0", prompt_len=3)
+    asm = OutputAssembler(_FakeTok(), (), False)  # type: ignore[arg-type]
+    pings: list[float] = []
+    texts: list[str] = []
+
+    async def ping() -> None:
+        pings.append(trio.current_time())
+
+    async def emit(d: Delta) -> None:
+        texts.append(d.text)
+
+    async def worker() -> None:
+        await trio.sleep(3.5)  # a long queue or prefill: nothing for 3.5 s
+        handle.push(_out("hi"))
+        await trio.sleep(0.1)
+        handle.push(_out("!", finish="stop"))
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker)
+        await follow(handle, asm, emit, ping, ping_interval=1.0)
+    assert [round(t - start, 3) for t in pings] == [1.0, 2.0, 3.0]  # one per idle interval, none after
+    assert "".join(texts) == "hi!" and asm.finish_reason == "stop"
