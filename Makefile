@@ -27,7 +27,7 @@ generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
 test: setup
-	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway
+	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway tenancy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -1,0 +1,95 @@
+"""Versioned schema migrations for the tenancy store (SQLite).
+
+Each migration is a tuple of single statements, not a script: `executescript` would COMMIT behind our back and
+break the one-transaction-per-upgrade guarantee.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+# (version, statements). Append only: never edit a migration that has shipped, add a new one.
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (1, (
+        """CREATE TABLE tenants (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE,
+            status TEXT NOT NULL CHECK (status IN ('active', 'suspended')),
+            weight REAL NOT NULL DEFAULT 1.0 CHECK (weight > 0),
+            created_at REAL NOT NULL
+        )""",
+        """CREATE TABLE api_keys (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            label TEXT NOT NULL,
+            key_hash TEXT NOT NULL UNIQUE,
+            key_prefix TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            expires_at REAL,
+            revoked_at REAL
+        )""",
+        "CREATE INDEX api_keys_tenant ON api_keys(tenant_id)",
+        # key_id NULL = the tenant-level row. NULLs are distinct in UNIQUE constraints, hence the expression index.
+        """CREATE TABLE quotas (
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            key_id TEXT REFERENCES api_keys(id) ON DELETE CASCADE,
+            rpm INTEGER, tpm INTEGER, max_concurrent INTEGER, token_budget INTEGER,
+            budget_period TEXT CHECK (budget_period IS NULL OR budget_period IN ('day', 'month')),
+            max_tokens_per_request INTEGER, max_prompt_tokens INTEGER,
+            allowed_models TEXT
+        )""",
+        "CREATE UNIQUE INDEX quotas_scope ON quotas(tenant_id, COALESCE(key_id, ''))",
+        # The ledger keeps no foreign keys: deleting a tenant must not erase what it was billed for.
+        """CREATE TABLE usage (
+            request_id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            key_id TEXT,
+            model TEXT NOT NULL,
+            prompt_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            status TEXT NOT NULL,
+            started_at REAL NOT NULL,
+            finished_at REAL NOT NULL,
+            ttft_ms REAL,
+            latency_ms REAL
+        )""",
+        "CREATE INDEX usage_tenant_time ON usage(tenant_id, started_at)",
+    )),
+)
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+def current_version(conn: sqlite3.Connection) -> int:
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return int(row[0]) if row is not None and row[0] is not None else 0
+
+
+def migrate(conn: sqlite3.Connection) -> list[int]:
+    """Apply pending migrations in order, all in one transaction; returns the versions applied ([] if up to date).
+
+    `conn` must be in autocommit mode (isolation_level=None) so that BEGIN/COMMIT here are the only boundaries.
+    BEGIN IMMEDIATE takes the write lock first, so two processes opening a fresh DB cannot both migrate it.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        have = current_version(conn)
+        if have > LATEST_VERSION:
+            raise RuntimeError(f"database schema version {have} is newer than this kvgate supports "
+                               f"({LATEST_VERSION}); upgrade kvgate")
+        applied: list[int] = []
+        for version, statements in MIGRATIONS:
+            if version <= have:
+                continue
+            for statement in statements:
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, time.time()))
+            applied.append(version)
+        conn.execute("COMMIT")
+        return applied
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise

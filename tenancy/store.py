@@ -1,0 +1,267 @@
+"""SQLite (WAL) tenancy store: tenants, API keys, quotas and the usage ledger.
+
+One connection guarded by a lock: the gateway calls in from worker threads (trio.to_thread), and SQLite allows a
+single writer anyway. The connection is in autocommit mode; every write is an explicit BEGIN IMMEDIATE ... COMMIT,
+so a write either lands whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+from tenancy import schema
+from tenancy.keys import KEY_PREFIX, display_prefix, generate_key, hash_key, keys_match
+from tenancy.models import (KEY_ID_PREFIX, TENANT_ID_PREFIX, ApiKeyInfo, AuthResult, Quota, Tenant, UsageGroup,
+                            UsageGrouping, UsageRow, validate_tenant_name)
+
+_KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
+_QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
+                  "max_prompt_tokens", "allowed_models")
+_GROUP_EXPR: dict[str, str] = {
+    "day": "strftime('%Y-%m-%d', started_at, 'unixepoch')",
+    "model": "model",
+    "key": "COALESCE(key_id, '')",
+}
+
+
+class TenancyStore:
+    def __init__(self, path: str | Path, pepper: bytes, *, clock: Callable[[], float] = time.time) -> None:
+        if not pepper:
+            raise ValueError("pepper must be a non-empty server secret")
+        self._pepper = pepper
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10.0)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed usage batch survives power loss too, not only a process kill.
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self.applied_migrations = schema.migrate(self._conn)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> TenancyStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return schema.current_version(self._conn)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return cast(list[tuple[Any, ...]], self._conn.execute(sql, params).fetchall())
+
+    # --- tenants -------------------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, weight: float = 1.0) -> Tenant:
+        validate_tenant_name(name)
+        if not weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {weight}")
+        tenant = Tenant(TENANT_ID_PREFIX + secrets.token_hex(8), name, "active", float(weight), self._clock())
+        try:
+            with self._write() as conn:
+                conn.execute("INSERT INTO tenants (id, name, status, weight, created_at) VALUES (?, ?, ?, ?, ?)",
+                             (tenant.id, tenant.name, tenant.status, tenant.weight, tenant.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"tenant {name!r} already exists") from exc
+        return tenant
+
+    def list_tenants(self) -> list[Tenant]:
+        rows = self._read("SELECT id, name, status, weight, created_at FROM tenants ORDER BY name")
+        return [_tenant(r) for r in rows]
+
+    def find_tenant(self, ref: str) -> Tenant | None:
+        rows = self._read("SELECT id, name, status, weight, created_at FROM tenants WHERE id = ? OR name = ?",
+                          (ref, ref))
+        return _tenant(rows[0]) if rows else None
+
+    def get_tenant(self, ref: str) -> Tenant:
+        """By id or name; raises KeyError for an unknown tenant."""
+        tenant = self.find_tenant(ref)
+        if tenant is None:
+            raise KeyError(f"unknown tenant {ref!r}")
+        return tenant
+
+    def _set_status(self, ref: str, status: str) -> Tenant:
+        tenant_id = self.get_tenant(ref).id
+        with self._write() as conn:
+            conn.execute("UPDATE tenants SET status = ? WHERE id = ?", (status, tenant_id))
+        return self.get_tenant(tenant_id)
+
+    def suspend_tenant(self, ref: str) -> Tenant:
+        return self._set_status(ref, "suspended")
+
+    def resume_tenant(self, ref: str) -> Tenant:
+        return self._set_status(ref, "active")
+
+    def set_weight(self, ref: str, weight: float) -> Tenant:
+        if not weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {weight}")
+        tenant_id = self.get_tenant(ref).id
+        with self._write() as conn:
+            conn.execute("UPDATE tenants SET weight = ? WHERE id = ?", (float(weight), tenant_id))
+        return self.get_tenant(tenant_id)
+
+    def delete_tenant(self, ref: str) -> None:
+        """Removes the tenant, its keys and quotas (cascade); its usage rows stay in the ledger."""
+        tenant_id = self.get_tenant(ref).id
+        with self._write() as conn:
+            conn.execute("DELETE FROM tenants WHERE id = ?", (tenant_id,))
+
+    # --- keys ----------------------------------------------------------------------------------------------
+
+    def create_key(self, tenant: str, label: str, expires_at: float | None = None) -> tuple[str, str]:
+        """Returns (key_id, plaintext). The plaintext is not stored anywhere: show it once."""
+        tenant_id = self.get_tenant(tenant).id
+        if expires_at is not None and expires_at <= self._clock():
+            raise ValueError("expires_at is in the past")
+        plaintext = generate_key()
+        key_id = KEY_ID_PREFIX + secrets.token_hex(8)
+        with self._write() as conn:
+            conn.execute("INSERT INTO api_keys (id, tenant_id, label, key_hash, key_prefix, created_at, expires_at) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?)", (key_id, tenant_id, label, hash_key(plaintext, self._pepper),
+                                                          display_prefix(plaintext), self._clock(), expires_at))
+        return key_id, plaintext
+
+    def revoke_key(self, key_id: str) -> bool:
+        """True if the key was active and is now revoked; revoking twice keeps the first timestamp."""
+        with self._write() as conn:
+            cur = conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                               (self._clock(), key_id))
+            changed = cur.rowcount == 1
+            if not changed and conn.execute("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)).fetchone() is None:
+                raise KeyError(f"unknown key {key_id!r}")
+        return changed
+
+    def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
+        if tenant is None:
+            rows = self._read(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at, id")
+        else:
+            rows = self._read(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant_id = ? ORDER BY created_at, id",
+                              (self.get_tenant(tenant).id,))
+        return [ApiKeyInfo(*r) for r in rows]
+
+    def authenticate(self, plaintext: str) -> AuthResult | None:
+        """None for malformed, unknown, revoked or expired keys. A suspended tenant still authenticates: see
+        AuthResult.tenant_status (401 vs 403 is the caller's call)."""
+        if not plaintext.startswith(KEY_PREFIX) or len(plaintext) > 256:
+            return None
+        candidate = hash_key(plaintext, self._pepper)
+        # Looking up by hash is safe: equality on a keyed hash leaks nothing about the plaintext.
+        rows = self._read("SELECT k.key_hash, k.expires_at, k.revoked_at, t.id, t.name, t.status, k.id, t.weight "
+                          "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = ?", (candidate,))
+        if not rows:
+            return None
+        stored, expires_at, revoked_at, tenant_id, name, status, key_id, weight = rows[0]
+        if not keys_match(stored, candidate) or revoked_at is not None:
+            return None
+        if expires_at is not None and self._clock() >= expires_at:
+            return None
+        return AuthResult(tenant_id, name, status, key_id, weight)
+
+    # --- quotas --------------------------------------------------------------------------------------------
+
+    def set_quota(self, tenant: str, quota: Quota, key_id: str | None = None) -> None:
+        """Replaces the whole quota row of the tenant (key_id None) or of one of its keys."""
+        tenant_id = self.get_tenant(tenant).id
+        values = [getattr(quota, c) for c in _QUOTA_COLUMNS]
+        values[-1] = None if quota.allowed_models is None else json.dumps(list(quota.allowed_models))
+        with self._write() as conn:
+            if key_id is not None and conn.execute("SELECT 1 FROM api_keys WHERE id = ? AND tenant_id = ?",
+                                                   (key_id, tenant_id)).fetchone() is None:
+                raise KeyError(f"key {key_id!r} does not belong to tenant {tenant!r}")
+            conn.execute("DELETE FROM quotas WHERE tenant_id = ? AND key_id IS ?", (tenant_id, key_id))
+            conn.execute(f"INSERT INTO quotas (tenant_id, key_id, {', '.join(_QUOTA_COLUMNS)}) "
+                         f"VALUES (?, ?{', ?' * len(_QUOTA_COLUMNS)})", (tenant_id, key_id, *values))
+
+    def get_quota(self, tenant: str, key_id: str | None = None) -> Quota:
+        """The effective quota: the key-level row's non-NULL fields override the tenant-level row's."""
+        tenant_id = self.get_tenant(tenant).id
+        effective = self._quota_row(tenant_id, None)
+        if key_id is not None:
+            effective = effective.overridden_by(self._quota_row(tenant_id, key_id))
+        return effective
+
+    def _quota_row(self, tenant_id: str, key_id: str | None) -> Quota:
+        rows = self._read(f"SELECT {', '.join(_QUOTA_COLUMNS)} FROM quotas WHERE tenant_id = ? AND key_id IS ?",
+                          (tenant_id, key_id))
+        if not rows:
+            return Quota()
+        values = dict(zip(_QUOTA_COLUMNS, rows[0]))
+        models = values.pop("allowed_models")
+        return Quota(**values, allowed_models=None if models is None else tuple(json.loads(models)))
+
+    # --- usage ledger --------------------------------------------------------------------------------------
+
+    def record_usage(self, rows: Sequence[UsageRow]) -> int:
+        """Group commit: all rows in one transaction, one fsync. Idempotent on request_id (a retried batch
+        neither loses nor doubles a row). Returns how many rows were new."""
+        if not rows:
+            return 0
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR IGNORE INTO usage (request_id, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
+                "completion_tokens, status, started_at, finished_at, ttft_ms, latency_ms) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens,
+                  r.completion_tokens, r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms)
+                 for r in rows])
+            return conn.total_changes - before
+
+    def usage_rows(self, tenant: str, since: float | None = None) -> list[UsageRow]:
+        tenant_id = self.get_tenant(tenant).id
+        rows = self._read("SELECT request_id, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
+                          "completion_tokens, status, started_at, finished_at, ttft_ms, latency_ms FROM usage "
+                          "WHERE tenant_id = ? AND started_at >= ? ORDER BY started_at, request_id",
+                          (tenant_id, since if since is not None else float("-inf")))
+        return [UsageRow(*r) for r in rows]
+
+    def usage_summary(self, tenant: str | None = None, since: float | None = None,
+                      by: UsageGrouping | None = None) -> list[UsageGroup]:
+        """Totals for one tenant (or all), optionally since a time, optionally grouped by day (UTC), model or key."""
+        if by is not None and by not in _GROUP_EXPR:
+            raise ValueError(f"usage grouping must be one of {sorted(_GROUP_EXPR)}, got {by!r}")
+        group = _GROUP_EXPR[by] if by is not None else "''"
+        where = ["started_at >= ?"]
+        params: list[float | str] = [since if since is not None else float("-inf")]
+        if tenant is not None:
+            where.append("tenant_id = ?")
+            params.append(self.get_tenant(tenant).id)
+        rows = self._read(f"SELECT {group} AS g, COUNT(*), COALESCE(SUM(prompt_tokens), 0), "
+                          f"COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM usage "
+                          f"WHERE {' AND '.join(where)} GROUP BY g ORDER BY g", params)
+        return [UsageGroup(str(g), n, p, c, o) for g, n, p, c, o in rows if n > 0]
+
+    def tokens_used(self, tenant: str, since: float) -> int:
+        """Prompt + completion tokens since a time: seeds the limiter's budget counter at startup."""
+        return sum(g.total_tokens for g in self.usage_summary(tenant, since))
+
+
+def _tenant(row: tuple[Any, ...]) -> Tenant:
+    return Tenant(row[0], row[1], row[2], row[3], row[4])

@@ -1,0 +1,289 @@
+"""tenancy.store: migrations, key lifecycle, quotas, and the usage ledger's durability (SQLite, no network)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tenancy import schema
+from tenancy.keys import mask_key
+from tenancy.models import Quota, UsageRow
+from tenancy.store import TenancyStore
+
+ROOT = Path(__file__).resolve().parents[1]
+PEPPER = b"test-pepper"
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[TenancyStore]:
+    s = TenancyStore(tmp_path / "kvgate.db", PEPPER, clock=clock)
+    yield s
+    s.close()
+
+
+def _row(rid: str, tenant_id: str, **kw: object) -> UsageRow:
+    base: dict[str, object] = dict(request_id=rid, tenant_id=tenant_id, key_id=None, model="smollm2",
+                                   prompt_tokens=10, cached_tokens=0, completion_tokens=5, status="stop",
+                                   started_at=1_700_000_000.0, finished_at=1_700_000_001.0)
+    base.update(kw)
+    return UsageRow(**base)  # type: ignore[arg-type]
+
+
+# --- migrations ----------------------------------------------------------------------------------------------
+
+def test_fresh_db_is_migrated_in_wal_mode_and_version_recorded(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    with TenancyStore(path, PEPPER) as s:
+        assert s.applied_migrations == [v for v, _ in schema.MIGRATIONS]
+        assert s.schema_version == schema.LATEST_VERSION
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"schema_version", "tenants", "api_keys", "quotas", "usage"} <= tables
+    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(schema.LATEST_VERSION,)]
+
+
+def test_reopening_up_to_date_db_is_a_noop_and_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    with TenancyStore(path, PEPPER) as s:
+        s.create_tenant("acme")
+    with TenancyStore(path, PEPPER) as s:
+        assert s.applied_migrations == []
+        assert [t.name for t in s.list_tenants()] == ["acme"]
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+
+
+def test_db_newer_than_code_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    TenancyStore(path, PEPPER).close()
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO schema_version VALUES (?, 0)", (schema.LATEST_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(RuntimeError, match="newer"):
+        TenancyStore(path, PEPPER)
+
+
+# --- tenants and keys ----------------------------------------------------------------------------------------
+
+def test_tenant_crud_and_validation(store: TenancyStore) -> None:
+    t = store.create_tenant("acme", weight=3)
+    assert store.get_tenant("acme") == store.get_tenant(t.id) == t
+    with pytest.raises(ValueError, match="already exists"):
+        store.create_tenant("acme")
+    for bad in ("", "has space", "ten_x", "-x"):
+        with pytest.raises(ValueError):
+            store.create_tenant(bad)
+    with pytest.raises(ValueError, match="weight"):
+        store.create_tenant("zero", weight=0)
+    assert store.suspend_tenant("acme").status == "suspended"
+    assert store.resume_tenant(t.id).status == "active"
+    store.delete_tenant("acme")
+    assert store.find_tenant("acme") is None
+    with pytest.raises(KeyError):
+        store.get_tenant("acme")
+
+
+def test_key_lifecycle(store: TenancyStore, clock: FakeClock) -> None:
+    t = store.create_tenant("acme")
+    key_id, key = store.create_key("acme", "ci")
+    assert key.startswith("kvg-") and len(key) >= 4 + 43  # 32 random bytes, urlsafe base64
+    auth = store.authenticate(key)
+    assert auth is not None and (auth.tenant_id, auth.key_id, auth.tenant_status) == (t.id, key_id, "active")
+    assert store.authenticate(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+    assert store.authenticate("kvg-unknown") is None
+    assert store.authenticate("sk-not-ours") is None
+
+    assert store.revoke_key(key_id) is True
+    assert store.revoke_key(key_id) is False
+    assert store.authenticate(key) is None
+    with pytest.raises(KeyError):
+        store.revoke_key("key_missing")
+
+    exp_id, exp_key = store.create_key("acme", "short", expires_at=clock.t + 60)
+    assert store.authenticate(exp_key) is not None
+    clock.t += 60
+    assert store.authenticate(exp_key) is None
+    with pytest.raises(ValueError, match="past"):
+        store.create_key("acme", "late", expires_at=clock.t - 1)
+
+    listed = {k.id: k for k in store.list_keys("acme")}
+    assert set(listed) == {key_id, exp_id}
+    assert listed[key_id].revoked_at is not None and listed[exp_id].expires_at == clock.t
+    assert listed[key_id].key_prefix == key[:10]
+    assert not any(hasattr(k, "key_hash") for k in listed.values())
+
+
+def test_plaintext_key_never_reaches_the_db_file(tmp_path: Path) -> None:
+    path = tmp_path / "k.db"
+    with TenancyStore(path, PEPPER) as s:
+        s.create_tenant("acme")
+        _, key = s.create_key("acme", "x")
+    blob = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("k.db"))
+    assert key.encode() not in blob
+    assert key[10:].encode() not in blob  # not even the part after the display prefix
+
+
+def test_pepper_matters(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    with TenancyStore(path, PEPPER) as s:
+        s.create_tenant("acme")
+        _, key = s.create_key("acme", "x")
+    with TenancyStore(path, b"another-pepper") as s:
+        assert s.authenticate(key) is None
+
+
+def test_suspended_tenant_is_flagged_not_hidden(store: TenancyStore) -> None:
+    store.create_tenant("acme")
+    _, key = store.create_key("acme", "x")
+    store.suspend_tenant("acme")
+    auth = store.authenticate(key)
+    assert auth is not None and auth.tenant_status == "suspended"
+
+
+def test_delete_tenant_kills_its_keys_keeps_its_usage(store: TenancyStore) -> None:
+    t = store.create_tenant("acme")
+    _, key = store.create_key("acme", "x")
+    store.record_usage([_row("r1", t.id)])
+    store.delete_tenant("acme")
+    assert store.authenticate(key) is None
+    store.create_tenant("acme")
+    assert store.usage_rows("acme") == []  # a new tenant of the same name is not billed for the old one
+
+
+def test_mask_key() -> None:
+    assert mask_key("kvg-abcdefghijklmnopqrstuvwxyz") == "kvg-abcd...wxyz"
+    assert mask_key("short") == "***"
+
+
+# --- quotas --------------------------------------------------------------------------------------------------
+
+def test_quota_defaults_unlimited_and_key_overrides_field_by_field(store: TenancyStore) -> None:
+    store.create_tenant("acme")
+    key_id, _ = store.create_key("acme", "x")
+    assert store.get_quota("acme") == Quota()
+    store.set_quota("acme", Quota(rpm=60, tpm=1000, allowed_models=("smollm2",)))
+    store.set_quota("acme", Quota(tpm=100, max_concurrent=2), key_id=key_id)
+    assert store.get_quota("acme") == Quota(rpm=60, tpm=1000, allowed_models=("smollm2",))
+    assert store.get_quota("acme", key_id) == Quota(rpm=60, tpm=100, max_concurrent=2, allowed_models=("smollm2",))
+    store.set_quota("acme", Quota(rpm=5))  # replaces the tenant row whole
+    assert store.get_quota("acme") == Quota(rpm=5)
+    other = store.create_tenant("other")
+    with pytest.raises(KeyError):
+        store.set_quota(other.id, Quota(rpm=1), key_id=key_id)
+
+
+def test_quota_validation() -> None:
+    with pytest.raises(ValueError, match="rpm"):
+        Quota(rpm=0)
+    with pytest.raises(ValueError, match="budget_period"):
+        Quota(token_budget=100)
+    with pytest.raises(ValueError):
+        Quota(budget_period="week")  # type: ignore[arg-type]
+
+
+# --- usage ledger --------------------------------------------------------------------------------------------
+
+def test_usage_group_commit_is_idempotent_and_survives_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "u.db"
+    with TenancyStore(path, PEPPER) as s:
+        t = s.create_tenant("acme")
+        batch = [_row(f"r{i}", t.id) for i in range(50)]
+        assert s.record_usage(batch) == 50
+        assert s.record_usage(batch[40:] + [_row("r50", t.id)]) == 1  # a retried batch: no doubles
+        assert s.record_usage([]) == 0
+    with TenancyStore(path, PEPPER) as s:
+        rows = s.usage_rows("acme")
+        assert len(rows) == 51 and len({r.request_id for r in rows}) == 51
+        [total] = s.usage_summary("acme")
+        assert (total.requests, total.prompt_tokens, total.completion_tokens) == (51, 510, 255)
+
+
+def test_usage_batch_with_bad_row_commits_nothing(store: TenancyStore) -> None:
+    t = store.create_tenant("acme")
+    with pytest.raises(ValueError):
+        store.record_usage([_row("ok", t.id), _row("bad", t.id, prompt_tokens=-1)])
+    assert store.usage_rows("acme") == []
+
+
+def test_usage_queries_by_tenant_since_and_grouping(store: TenancyStore) -> None:
+    a, b = store.create_tenant("a"), store.create_tenant("b")
+    day = 86400.0
+    t0 = 1_700_006_400.0  # 2023-11-15 00:00 UTC
+    store.record_usage([
+        _row("a1", a.id, key_id="k1", model="m1", started_at=t0),
+        _row("a2", a.id, key_id="k2", model="m2", started_at=t0 + 10, cached_tokens=4),
+        _row("a3", a.id, key_id="k1", model="m1", started_at=t0 + day),
+        _row("b1", b.id, model="m1", started_at=t0),
+    ])
+    assert [(g.group, g.requests) for g in store.usage_summary("a", by="day")] == [("2023-11-15", 2),
+                                                                                   ("2023-11-16", 1)]
+    assert [(g.group, g.requests) for g in store.usage_summary("a", by="model")] == [("m1", 2), ("m2", 1)]
+    by_key = {g.group: g for g in store.usage_summary("a", by="key")}
+    assert by_key["k2"].cached_tokens == 4 and by_key["k1"].requests == 2
+    assert [g.requests for g in store.usage_summary("a", since=t0 + 5)] == [2]
+    assert [g.requests for g in store.usage_summary()] == [4]
+    assert [r.request_id for r in store.usage_rows("b")] == ["b1"]
+    assert store.tokens_used("a", since=t0 + day) == 15
+    with pytest.raises(ValueError, match="grouping"):
+        store.usage_summary("a", by="week")  # type: ignore[arg-type]
+
+
+_WRITER = textwrap.dedent("""
+    import os, sys
+    from tenancy.models import UsageRow
+    from tenancy.store import TenancyStore
+    s = TenancyStore(sys.argv[1], b"test-pepper")
+    t = s.create_tenant("acme")
+    s.record_usage([UsageRow(f"r{i}", t.id, None, "m", 3, 1, 2, "stop", 1.0, 2.0) for i in range(20)])
+    print("committed", flush=True)
+    sys.stdin.readline()  # hold the connection open (no clean close, no checkpoint) until killed
+""")
+
+
+def test_committed_usage_survives_sigkill_of_writer(tmp_path: Path) -> None:
+    path = tmp_path / "crash.db"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "committed"
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(timeout=10)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    reader = ("import sys; from tenancy.store import TenancyStore;"
+              "s = TenancyStore(sys.argv[1], b'test-pepper'); print(len(s.usage_rows('acme')))")
+    out = subprocess.run([sys.executable, "-c", reader, str(path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert out.stdout.strip() == "20"
+
+
+def test_tenancy_does_not_import_forbidden_packages() -> None:
+    code = ("import sys, tenancy.store, tenancy.limiter;"
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert not set(out.stdout.split()) & {"torch", "workers", "gateway"}
