@@ -149,3 +149,10 @@ def test_fifo_within_salt_and_remove() -> None:
     assert q.peek() is a
     q.pop(a, 1)
     assert q.peek() is c and len(q) == 1
+
+
+def test_tokens_in_spans_prompt_and_output() -> None:
+    r = mk("r", 4)
+    r.output_token_ids = [5, 6, 7]
+    full = r.all_token_ids
+    assert all(r.tokens_in(a, b) == full[a:b] for a in range(8) for b in range(a, 8))

@@ -69,15 +69,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
     def tokens_in(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, copying only that range (a decode asks for one token
+        every step; concatenating the whole sequence for it would cost O(context) per step)."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Called after ``token_id`` was appended. Returns the finished status, or None to go on."""
