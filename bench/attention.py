@@ -138,7 +138,7 @@ def decode_meta(batch: int, context: int, table: torch.Tensor) -> AttentionMetad
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
         block_tables=table, query_lens_cpu=(1,) * batch, seq_lens_cpu=(context,) * batch,
-        num_decodes=batch, num_decode_tokens=batch, max_seq_len=context)
+        num_decodes=batch, max_seq_len=context)
 
 
 def measure(args: argparse.Namespace, backend: AttentionBackend, batch: int, context: int) -> Row:

@@ -105,7 +105,7 @@ def build_case(
         seq_lens=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device=dev),
         block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
         query_lens_cpu=tuple(new for _, new in seqs), seq_lens_cpu=tuple(ctx for ctx, _ in seqs),
-        num_decodes=nd, num_decode_tokens=nd, max_seq_len=max(ctx for ctx, _ in seqs))
+        num_decodes=nd, max_seq_len=max(ctx for ctx, _ in seqs))
     return Case(q.to(dev), key.to(dev), value.to(dev), k_cache.to(dev), v_cache.to(dev), meta,
                 tuple(k.to(dev) for k in full_k), tuple(v.to(dev) for v in full_v), head_dim ** -0.5)
 

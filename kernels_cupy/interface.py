@@ -25,8 +25,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32: physical block ids, 0-padded past seq_lens
     query_lens_cpu: tuple[int, ...]  # (B,) host copy of query lengths, for per-sequence loops
     seq_lens_cpu: tuple[int, ...]  # (B,) host copy of seq_lens
-    num_decodes: int  # sequences [0, num_decodes) have query length 1 and sit first in the batch
-    num_decode_tokens: int  # == num_decodes; rows [0, num_decode_tokens) of the query are decodes
+    num_decodes: int  # sequences [0, num_decodes) have query length 1, so they are query rows [0, num_decodes)
     max_seq_len: int
 
     @property

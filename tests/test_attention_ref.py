@@ -47,7 +47,7 @@ def test_mixed_batch_with_shared_and_scattered_blocks() -> None:
         seq_lens=torch.tensor([L for L, _ in seqs], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32),
         query_lens_cpu=tuple(n for _, n in seqs), seq_lens_cpu=tuple(L for L, _ in seqs),
-        num_decodes=2, num_decode_tokens=2, max_seq_len=16)
+        num_decodes=2, max_seq_len=16)
     be = TorchAttentionBackend()
     be.write_kv(torch.cat(ks), torch.cat(vs), kc, vc, meta)
     out = be.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, meta, 0.35)

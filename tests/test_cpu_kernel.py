@@ -31,7 +31,7 @@ def _meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
         slot_mapping=torch.zeros(n, dtype=torch.int64), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_cpu=(1,) * n, seq_lens_cpu=tuple(lens), num_decodes=n, num_decode_tokens=n,
+        query_lens_cpu=(1,) * n, seq_lens_cpu=tuple(lens), num_decodes=n,
         max_seq_len=max(lens))
 
 

@@ -88,7 +88,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
             block_tables=bt.to(dev), query_lens_cpu=tuple(qlens), seq_lens_cpu=tuple(slens),
-            num_decodes=nd, num_decode_tokens=nd, max_seq_len=max(slens))
+            num_decodes=nd, max_seq_len=max(slens))
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(pos, dtype=torch.int64, device=dev), meta,
                           torch.tensor(logits_rows, dtype=torch.int64, device=dev), sampled)
