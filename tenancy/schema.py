@@ -57,6 +57,8 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         )""",
         "CREATE INDEX usage_tenant_time ON usage(tenant_id, started_at)",
     )),
+    # Per-key budgets are seeded from the ledger by key: without this index that is a full scan.
+    (2, ("CREATE INDEX usage_key_time ON usage(key_id, started_at)",)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

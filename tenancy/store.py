@@ -21,6 +21,7 @@ from tenancy import schema
 from tenancy.keys import KEY_PREFIX, display_prefix, generate_key, hash_key, keys_match
 from tenancy.models import (KEY_ID_PREFIX, TENANT_ID_PREFIX, ApiKeyInfo, AuthResult, Quota, Tenant, UsageGroup,
                             UsageGrouping, UsageRow, validate_tenant_name)
+from tenancy.server_secret import ServerSecret, load_secret
 
 _KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
 _QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
@@ -207,6 +208,16 @@ class TenancyStore:
             effective = effective.overridden_by(self._quota_row(tenant_id, key_id))
         return effective
 
+    def quota_rows(self, tenant: str, key_id: str | None = None) -> tuple[Quota, Quota | None]:
+        """The tenant-level row and the key's own row (None when the key has none), unmerged: rate, concurrency
+        and budget limits count per scope (a tenant's limits cover all its keys; a key's cover that key)."""
+        tenant_id = self.get_tenant(tenant).id
+        key_row = None
+        if key_id is not None and self._read("SELECT 1 FROM quotas WHERE tenant_id = ? AND key_id = ?",
+                                             (tenant_id, key_id)):
+            key_row = self._quota_row(tenant_id, key_id)
+        return self._quota_row(tenant_id, None), key_row
+
     def _quota_row(self, tenant_id: str, key_id: str | None) -> Quota:
         rows = self._read(f"SELECT {', '.join(_QUOTA_COLUMNS)} FROM quotas WHERE tenant_id = ? AND key_id IS ?",
                           (tenant_id, key_id))
@@ -261,6 +272,23 @@ class TenancyStore:
     def tokens_used(self, tenant: str, since: float) -> int:
         """Prompt + completion tokens since a time: seeds the limiter's budget counter at startup."""
         return sum(g.total_tokens for g in self.usage_summary(tenant, since))
+
+    def scope_tokens_used(self, scope: str, since: float) -> int:
+        """Prompt + completion tokens a limiter scope ('tenant:<id>' or 'key:<id>') used since a time, from the
+        ledger: seeds a budget counter the first time a limiter sees the scope in a period."""
+        kind, _, ident = scope.partition(":")
+        column = {"tenant": "tenant_id", "key": "key_id"}.get(kind)
+        if column is None or not ident:
+            raise ValueError(f"unknown limiter scope {scope!r}")
+        rows = self._read(f"SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage "
+                          f"WHERE {column} = ? AND started_at >= ?", (ident, since))
+        return int(rows[0][0])
+
+
+def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -> tuple[TenancyStore, ServerSecret]:
+    """The store at `db_path` (created and migrated when new) with the deployment's server secret."""
+    secret = load_secret(db_path)
+    return TenancyStore(db_path, secret.key_pepper, clock=clock), secret
 
 
 def _tenant(row: tuple[Any, ...]) -> Tenant:

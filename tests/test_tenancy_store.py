@@ -61,7 +61,8 @@ def test_fresh_db_is_migrated_in_wal_mode_and_version_recorded(tmp_path: Path) -
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"schema_version", "tenants", "api_keys", "quotas", "usage"} <= tables
-    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(schema.LATEST_VERSION,)]
+    assert conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == [
+        (v,) for v, _ in schema.MIGRATIONS]
 
 
 def test_reopening_up_to_date_db_is_a_noop_and_keeps_data(tmp_path: Path) -> None:
@@ -71,7 +72,26 @@ def test_reopening_up_to_date_db_is_a_noop_and_keeps_data(tmp_path: Path) -> Non
     with TenancyStore(path, PEPPER) as s:
         assert s.applied_migrations == []
         assert [t.name for t in s.list_tenants()] == ["acme"]
-    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(
+        schema.MIGRATIONS)
+
+
+def test_version_1_db_upgrades_in_place_and_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    schema.current_version(conn)
+    for statement in schema.MIGRATIONS[0][1]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_version VALUES (1, 0)")
+    conn.execute("INSERT INTO tenants VALUES ('ten_0', 'old', 'active', 1.0, 0)")
+    conn.execute("COMMIT")
+    conn.close()
+    with TenancyStore(path, PEPPER) as s:
+        assert s.applied_migrations == [v for v, _ in schema.MIGRATIONS[1:]]
+        assert [t.name for t in s.list_tenants()] == ["old"]
+    indexes = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert "usage_key_time" in indexes
 
 
 def test_db_newer_than_code_is_refused(tmp_path: Path) -> None:
@@ -287,3 +307,28 @@ def test_tenancy_does_not_import_forbidden_packages() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          check=True)
     assert not set(out.stdout.split()) & {"torch", "workers", "gateway"}
+
+
+def test_scope_tokens_used_counts_prompt_and_completion_by_tenant_and_key(store: TenancyStore) -> None:
+    a = store.create_tenant("a")
+    k1, _ = store.create_key("a", "one")
+    k2, _ = store.create_key("a", "two")
+    store.record_usage([_row("r1", a.id, key_id=k1, started_at=100.0), _row("r2", a.id, key_id=k2, started_at=200.0),
+                        _row("r3", "ten_other", key_id=None, started_at=200.0)])
+    per_row = _row("x", a.id).prompt_tokens + _row("x", a.id).completion_tokens
+    assert store.scope_tokens_used(f"tenant:{a.id}", 0.0) == 2 * per_row
+    assert store.scope_tokens_used(f"tenant:{a.id}", 150.0) == per_row
+    assert store.scope_tokens_used(f"key:{k1}", 0.0) == per_row
+    assert store.scope_tokens_used(f"key:{k2}", 250.0) == 0
+    with pytest.raises(ValueError):
+        store.scope_tokens_used("team:x", 0.0)
+
+
+def test_quota_rows_are_unmerged(store: TenancyStore) -> None:
+    store.create_tenant("a")
+    k, _ = store.create_key("a", "one")
+    store.set_quota("a", Quota(rpm=10, tpm=1000))
+    assert store.quota_rows("a", k) == (Quota(rpm=10, tpm=1000), None)
+    store.set_quota("a", Quota(tpm=50), key_id=k)
+    assert store.quota_rows("a", k) == (Quota(rpm=10, tpm=1000), Quota(tpm=50))
+    assert store.quota_rows("a") == (Quota(rpm=10, tpm=1000), None)
