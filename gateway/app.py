@@ -7,31 +7,34 @@ Errors of any kind leave as OpenAI-shaped JSON; nothing about a prompt or a comp
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from gateway import metrics
+from gateway.admin import create_admin_blueprint
+from gateway.admission import QuotaGate, RequestAccount
+from gateway.auth import Authenticator, Principal
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, error_body
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
+from gateway.ledger import UsageLedger
 from gateway.pool import WorkerPool, unix_deadline
 from gateway.protocol import GenerationRequest, check_fields, parse_chat, parse_completion
 from gateway.responses import ResponseBuilder
 from gateway.streaming import StreamProducer, complete, failure_to_api_error
 from gateway.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
+from tenancy.models import UsageGrouping
+from tenancy.store import TenancyStore
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -45,13 +48,18 @@ class GatewayState:
     config: GatewayConfig
     tokenizer: GatewayTokenizer
     pool: WorkerPool
-    # Keys the per-tenant cache salt; one secret per deployment so gateways behind a balancer agree.
-    salt_secret: bytes = field(default_factory=lambda: os.environb.get(b"KVGATE_SALT_SECRET") or os.urandom(32))
+    tenancy: Tenancy
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def cache_salt(self, api_key: str | None) -> str:
-        # Until tenancy lands every caller of one key is one tenant; without keys everyone shares a cache.
-        return hmac.new(self.salt_secret, (api_key or "").encode(), hashlib.sha256).hexdigest()[:32]
+
+@dataclass
+class Tenancy:
+    """Everything about tenants the routes use; built and run by ``gateway.server``."""
+
+    store: TenancyStore
+    auth: Authenticator
+    quota: QuotaGate
+    ledger: UsageLedger
 
 
 def _json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -78,6 +86,26 @@ async def _read_json() -> Any:
         raise bad_request(f"request body is not valid JSON: {e.__class__.__name__}") from None
 
 
+def _client_addr() -> str:
+    # The peer of this connection. Behind a proxy that is the proxy: trusting X-Forwarded-For is a
+    # deployment decision (not made here), since any client can send one.
+    remote = request.scope.get("client")
+    return str(remote[0]) if remote else "unknown"
+
+
+def _float_arg(name: str) -> float | None:
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request(f"'{name}' must be a number (unix seconds)", param=name) from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise bad_request(f"'{name}' must be a finite number", param=name)
+    return value
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -90,16 +118,14 @@ def create_app(state: GatewayState) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 60
     pool, tok = state.pool, state.tokenizer
 
-    def authorize() -> str | None:
-        if cfg.api_key is None:
-            return None
-        header = request.headers.get("Authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), cfg.api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return key.strip()
+    ten = state.tenancy
 
-    def check_model(body: Any) -> None:
+    async def authorize() -> Principal:
+        principal = await ten.auth.authenticate(request.headers.get("Authorization"), _client_addr())
+        g.principal = principal
+        return principal
+
+    def check_model(body: Any, principal: Principal) -> None:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         model = body.get("model")
@@ -109,37 +135,57 @@ def create_app(state: GatewayState) -> QuartTrio:
             raise bad_request("'model' must be a string", param="model")
         if model != cfg.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        if not principal.allows_model(model):
+            raise APIError(403, f"Your API key is not allowed to use the model `{model}`.",
+                           code="model_not_allowed", param="model")
 
     async def generate(kind: str) -> Response:
-        api_key = authorize()
+        principal = await authorize()
         raw_size = request.content_length or 0
         body = await _read_json()
-        check_model(body)
+        check_model(body, principal)
         parse = parse_chat if kind == "chat" else parse_completion
-        max_len = pool.max_model_len
+        args = (body, tok, pool.max_model_len, principal.quota.max_tokens_per_request)
         if raw_size > PARSE_IN_THREAD_BYTES:
-            req: GenerationRequest = await trio.to_thread.run_sync(parse, body, tok, max_len)
+            req: GenerationRequest = await trio.to_thread.run_sync(parse, *args)
         else:
-            req = parse(body, tok, max_len)
+            req = parse(*args)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids), req.max_tokens)
+        account = RequestAccount(ten.quota, ten.ledger, principal, request_id, cfg.model_name, len(req.prompt_ids))
+        asm = OutputAssembler(tok, req.stop, req.logprobs)
         timeout = cfg.timing.request_timeout
         try:
-            handle = await pool.submit(request_id, req.prompt_ids, req.sampling, state.cache_salt(api_key),
-                                       unix_deadline(timeout))
-        except RequestFailed as e:
-            raise failure_to_api_error(e) from None
-        asm = OutputAssembler(tok, req.stop, req.logprobs)
+            handle = await pool.submit(request_id, req.prompt_ids, req.sampling, principal.cache_salt,
+                                       unix_deadline(timeout), principal.weight)
+        except BaseException as e:
+            account.end(asm, "not_submitted")  # gives the reservation back; no ledger row: nothing ran
+            if isinstance(e, RequestFailed):
+                raise failure_to_api_error(e) from None
+            raise
+        # From here `complete` or the stream producer owns the handle and ends the account on every path.
+        account.submitted = True
         builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
         if not req.stream:
-            return _json_response(await complete(pool, handle, asm, builder, timeout))
-        producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval)
+            return _json_response(await complete(pool, handle, asm, builder, timeout, account))
+        producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
         try:
-            app.nursery.start_soon(producer.run)
+            app.nursery.start_soon(producer.run)  # from here the producer owns the handle and the account
         except BaseException:
             pool.release(handle)
+            account.end(asm, "cancelled")
             raise
         response = Response(producer.body(), status=200, content_type="text/event-stream", headers=SSE_HEADERS)
         response.timeout = None  # Quart's RESPONSE_TIMEOUT would end the stream after 60 s
+        return response
+
+    @app.after_request
+    async def add_ratelimit_headers(response: Response) -> Response:
+        headers: dict[str, str] | None = getattr(g, "ratelimit_headers", None)
+        if headers is None and getattr(g, "principal", None) is not None:
+            headers = await ten.quota.headers(g.principal.scopes)
+        for name, value in (headers or {}).items():
+            response.headers.setdefault(name, value)
         return response
 
     @app.post("/v1/chat/completions")
@@ -166,18 +212,35 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        authorize()
+        principal = await authorize()
         entry = {"id": cfg.model_name, "object": "model", "created": state.created, "owned_by": "kvgate",
                  "root": cfg.model, "parent": None, "max_model_len": pool.max_model_len}
-        return _json_response({"object": "list", "data": [entry]})
+        data = [entry] if principal.allows_model(cfg.model_name) else []
+        return _json_response({"object": "list", "data": data})
+
+    @app.get("/v1/usage")
+    async def own_usage() -> Response:
+        """The calling tenant's own usage (never another's): totals, optionally since a time and grouped."""
+        principal = await authorize()
+        since = _float_arg("since")
+        by = request.args.get("by") or None
+        if by is not None and by not in ("day", "model", "key"):
+            raise bad_request("'by' must be one of day, model, key", param="by")
+        groups = await trio.to_thread.run_sync(ten.store.usage_summary, principal.tenant_id, since,
+                                               cast(UsageGrouping | None, by))
+        return _json_response({"object": "usage", "tenant": principal.tenant_name, "since": since, "by": by,
+                               "data": [{"group": u.group, "requests": u.requests, "prompt_tokens": u.prompt_tokens,
+                                         "cached_tokens": u.cached_tokens,
+                                         "completion_tokens": u.completion_tokens,
+                                         "total_tokens": u.total_tokens} for u in groups]})
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        authorize()
+        principal = await authorize()
         body = check_fields(await _read_json(), {"model": _any, "prompt": _any, "messages": _any,
                                                  "add_generation_prompt": _any})
         if "model" in body:
-            check_model(body)
+            check_model(body, principal)
         try:
             if isinstance(body.get("prompt"), str) and "messages" not in body:
                 ids = tok.encode(body["prompt"])
@@ -192,10 +255,10 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        authorize()
+        principal = await authorize()
         body = check_fields(await _read_json(), {"model": _any, "tokens": _any})
         if "model" in body:
-            check_model(body)
+            check_model(body, principal)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
             raise bad_request(f"'tokens' must be an array of token ids in [0, {tok.vocab_size})", param="tokens")
@@ -204,6 +267,8 @@ def create_app(state: GatewayState) -> QuartTrio:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(pool, cfg.model_name), content_type=metrics.CONTENT_TYPE)
+
+    app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
 
     @app.errorhandler(APIError)
     async def on_api_error(e: APIError) -> Response:

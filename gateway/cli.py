@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--workers", type=int, default=1, help="local worker processes (0: only external workers)")
     p.add_argument("--zmq-bind", default="tcp://127.0.0.1:0",
                    help="ROUTER address workers connect to; a fixed port lets workers started by hand join")
-    p.add_argument("--api-key", default=None, help="one static bearer key for the /v1 API")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
     p.add_argument("--max-queued-prompt-tokens", type=int, default=262_144, help="per worker, before 503")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without Stats: worker dead")
     p.add_argument("--sse-ping-interval", type=float, default=10.0)
+    t = p.add_argument_group("tenancy")
+    t.add_argument("--db", default=os.environ.get("KVGATE_DB", "kvgate.db"),
+                   help="SQLite store of tenants, keys, quotas and usage (env KVGATE_DB)")
+    t.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
+                   help="bearer token for /admin/* (env KVGATE_ADMIN_TOKEN; unset: admin API off)")
+    t.add_argument("--redis-url", default=os.environ.get("KVGATE_REDIS_URL"),
+                   help="share rate-limit and concurrency counters with other gateways (env KVGATE_REDIS_URL)")
+    t.add_argument("--redis-fail-open", action="store_true",
+                   help="admit without limits while Redis is unreachable (default: refuse with 503)")
+    t.add_argument("--auth-failures-per-minute", type=int, default=20, help="per client address, then 429")
+    t.add_argument("--no-demo-tenant", action="store_true", help="do not create tenant 'demo' on an empty store")
     g = p.add_argument_group("engine (passed to local workers)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -43,11 +54,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
-    from gateway.config import AdmissionConfig, EngineArgs, GatewayConfig, TimingConfig
+    from gateway.config import AdmissionConfig, EngineArgs, GatewayConfig, TenancyConfig, TimingConfig
 
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
-        zmq_bind=a.zmq_bind, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+        zmq_bind=a.zmq_bind, max_body_bytes=a.max_body_bytes,
+        tenancy=TenancyConfig(db_path=a.db, admin_token=a.admin_token, redis_url=a.redis_url,
+                              redis_fail_open=a.redis_fail_open,
+                              auth_failures_per_minute=a.auth_failures_per_minute,
+                              demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
                           a.max_num_batched_tokens),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),

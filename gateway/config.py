@@ -71,6 +71,27 @@ class TimingConfig:
 
 
 @dataclass(frozen=True)
+class TenancyConfig:
+    db_path: str = "kvgate.db"  # SQLite (WAL): tenants, keys, quotas, usage ledger; the secret lies beside it
+    admin_token: str | None = None  # guards /admin/*; None: the admin API is off
+    redis_url: str | None = None  # shared rate-limit/concurrency counters for several gateways
+    redis_fail_open: bool = False  # Redis unreachable: refuse (503, default) or admit without limits
+    auth_cache_ttl: float = 1.0  # seconds a key's tenant and quotas are cached (CLI changes apply within it)
+    auth_failures_per_minute: int = 20  # failed authentications allowed per client address
+    demo_tenant: bool = True  # on an empty store, create tenant "demo" and print its key once
+
+    def __post_init__(self) -> None:
+        if not self.db_path:
+            raise ValueError("--db must not be empty")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("--admin-token must be at least 16 characters")
+        if not 0 < self.auth_cache_ttl <= 2.0:
+            raise ValueError("auth_cache_ttl must be in (0, 2] seconds: revocations must apply within 2 s")
+        if self.auth_failures_per_minute < 1:
+            raise ValueError("--auth-failures-per-minute must be >= 1")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     model: str = "smollm2"
     served_model_name: str | None = None
@@ -78,11 +99,11 @@ class GatewayConfig:
     port: int = 8000
     workers: int = 1  # local worker subprocesses to spawn and supervise (0: external workers only)
     zmq_bind: str = "tcp://127.0.0.1:0"
-    api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     engine: EngineArgs = field(default_factory=EngineArgs)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,8 +112,6 @@ class GatewayConfig:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("--api-key must not be empty")
 
     @property
     def model_name(self) -> str:

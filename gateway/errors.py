@@ -20,7 +20,8 @@ class APIError(Exception):
     """An error answered to the client in OpenAI's shape. Raise it anywhere in request handling."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 err_type: str | None = None, retry_after: float | None = None) -> None:
+                 err_type: str | None = None, retry_after: float | None = None,
+                 extra_headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -28,6 +29,7 @@ class APIError(Exception):
         self.param = param
         self.err_type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.retry_after = retry_after
+        self.extra_headers = extra_headers or {}  # e.g. the limiter's x-ratelimit-* and retry-after-ms
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
@@ -39,6 +41,7 @@ class APIError(Exception):
             headers["retry-after"] = str(max(1, math.ceil(self.retry_after)))
         if self.status == 400 or self.status == 404 or self.status == 413:
             headers["x-should-retry"] = "false"  # the OpenAI SDKs honour this: retrying cannot help
+        headers.update(self.extra_headers)
         return headers
 
 

@@ -8,6 +8,7 @@ caller aborts it on the worker.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from gateway.tokenizer import GatewayTokenizer
@@ -44,6 +45,7 @@ class OutputAssembler:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
+        self.first_token_at: float | None = None  # time.monotonic() when the first token arrived
         self.finish_reason: str | None = None
         self.hit_stop_string = False  # the worker still runs the request: the caller must abort it
 
@@ -54,6 +56,8 @@ class OutputAssembler:
     def add(self, out: RequestOutputMsg) -> Delta:
         if self.finished:
             return Delta("", [], None, None)
+        if out.new_token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.token_ids.extend(out.new_token_ids)
         new_logprobs = list(out.logprobs) if self._want_logprobs and out.logprobs else None
         if new_logprobs:

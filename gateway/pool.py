@@ -120,7 +120,7 @@ class WorkerPool:
     # ---- requests -------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: dict[str, SamplingValue],
-                     cache_salt: str | None, deadline: float | None) -> RequestHandle:
+                     cache_salt: str | None, deadline: float | None, weight: float = 1.0) -> RequestHandle:
         """Pick a worker and send it the request. Raises APIError(503) when no worker can take it."""
         if not self.workers:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
@@ -133,7 +133,7 @@ class WorkerPool:
         self._requests[request_id] = handle
         w.requests[request_id] = handle
         w.prompt_tokens += len(prompt_ids)
-        msg = Generate(request_id, prompt_ids, sampling, cache_salt, 1.0, deadline, None)
+        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, None)
         try:
             await self._send(w, msg)
         except BaseException:  # cancelled or failed: maybe sent, maybe not; Abort is idempotent either way

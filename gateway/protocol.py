@@ -215,7 +215,7 @@ def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None,
 
 
 def _max_tokens(fields: dict[str, Any], key: str, prompt_len: int, max_model_len: int | None,
-                default: int | None, prompt_param: str) -> int:
+                default: int | None, prompt_param: str, default_cap: int | None = None) -> int:
     room = None if max_model_len is None else max_model_len - prompt_len
     if room is not None and room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -224,6 +224,10 @@ def _max_tokens(fields: dict[str, Any], key: str, prompt_len: int, max_model_len
     requested = fields.get(key, default)
     if requested is None:
         requested = room if room is not None else 16
+        if default_cap is not None:
+            # The tenant's per-request bound: a client that asked for nothing gets the most it may have,
+            # not a 400 for a number it never sent.
+            requested = min(requested, default_cap)
     if requested < 1:
         raise bad_request(f"'{key}' must be at least 1, got {requested}", param=key)
     if room is not None and requested > room:
@@ -241,7 +245,8 @@ def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...]]
     return stream, _stream_options(fields, stream), _stop(fields)
 
 
-def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None) -> GenerationRequest:
+def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
+               default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, CHAT_FIELDS)
     stream, include_usage, stop = _common_checks(fields)
     if "messages" not in fields:
@@ -260,13 +265,14 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None) -> G
     except (ChatTemplateError, InvalidText) as e:
         raise bad_request(str(e), param="messages") from e
     key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages")
+    max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages", default_max_tokens_cap)
     n_top = (top or 0) if logprobs else None
     return GenerationRequest("chat", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
                              max_tokens, stop, stream, include_usage, logprobs, n_top or 0)
 
 
-def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None) -> GenerationRequest:
+def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
+                     default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, COMPLETION_FIELDS)
     stream, include_usage, stop = _common_checks(fields)
     if fields.get("echo", False):
@@ -280,6 +286,6 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     if n_top is not None and not 0 <= n_top <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
     max_tokens = _max_tokens(fields, "max_tokens", len(prompt_ids), max_model_len,
-                             COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+                             COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", default_max_tokens_cap)
     return GenerationRequest("completion", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
                              max_tokens, stop, stream, include_usage, n_top is not None, n_top or 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 import hypercorn.trio
@@ -17,12 +18,18 @@ import trio
 import zmq
 from hypercorn.config import Config as HyperConfig
 
-from gateway.app import GatewayState, create_app
-from gateway.config import GatewayConfig
+from gateway.admission import QuotaGate
+from gateway.app import GatewayState, Tenancy, create_app
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig, TenancyConfig
+from gateway.ledger import UsageLedger
 from gateway.pool import WorkerPool
 from gateway.supervisor import Supervisor
 from gateway.tokenizer import GatewayTokenizer, resolve_model_dir
 from ipc.transport import gateway_router
+from tenancy.limiter import Limiter, RateLimiter
+from tenancy.server_secret import ServerSecret
+from tenancy.store import TenancyStore, open_store
 
 log = logging.getLogger("kvgate.gateway.server")
 
@@ -48,11 +55,39 @@ async def _wait_for_signal(stop: trio.Event) -> None:
 
 def _announce(cfg: GatewayConfig, binds: list[str], zmq_addr: str) -> None:
     url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
-    auth = f' -H "Authorization: Bearer $KVGATE_API_KEY"' if cfg.api_key else ""
+    auth = ' -H "Authorization: Bearer $KVGATE_API_KEY"'
     print(f"kvgate: serving {cfg.model_name!r} at {url}/v1 (workers connect to {zmq_addr})\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d '{{\"model\": \"{cfg.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
           flush=True)
+
+
+def _open_tenancy(cfg: TenancyConfig) -> tuple[TenancyStore, ServerSecret, RateLimiter]:
+    store, secret = open_store(cfg.db_path)
+    limiter: RateLimiter
+    if cfg.redis_url:
+        from tenancy.redis_limiter import RedisLimiter  # imports redis only when asked for
+
+        limiter = RedisLimiter(cfg.redis_url, time.time, store.scope_tokens_used, fail_open=cfg.redis_fail_open)
+    else:
+        limiter = Limiter(time.time, store.scope_tokens_used)
+    if cfg.demo_tenant:
+        _create_demo_tenant(store, cfg.db_path)
+    return store, secret, limiter
+
+
+def _create_demo_tenant(store: TenancyStore, db_path: str) -> None:
+    """First start on an empty store: a working key at once, printed once (stdout, never the log)."""
+    if store.list_tenants():
+        return
+    try:
+        store.create_tenant("demo")
+    except ValueError:
+        return  # another gateway starting on the same fresh store won the race; it prints the key
+    key_id, plaintext = store.create_key("demo", "created on first start")
+    print(f"kvgate: empty store {db_path}: created tenant 'demo' and API key {key_id}. The key is shown only "
+          f"this once:\n  export KVGATE_API_KEY={plaintext}", flush=True)
+    log.info("created tenant 'demo' with key %s on an empty store", key_id)
 
 
 async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
@@ -60,11 +95,17 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
     # Resolving may convert a GGUF in a subprocess (minutes, once): keep the event loop free meanwhile.
     model_dir = await trio.to_thread.run_sync(resolve_model_dir, cfg.model)
     tokenizer = await trio.to_thread.run_sync(GatewayTokenizer, model_dir)
+    store, secret, limiter = await trio.to_thread.run_sync(_open_tenancy, cfg.tenancy)
     ctx: zmq.Context[Any] = zmq.Context()
     sock, zmq_addr = gateway_router(ctx, cfg.zmq_bind)
     supervisor: Supervisor | None = None
     try:
         async with trio.open_nursery() as outer:
+            tenancy = Tenancy(store, Authenticator(store, secret, ttl=cfg.tenancy.auth_cache_ttl,
+                                                   failures_per_minute=cfg.tenancy.auth_failures_per_minute),
+                              QuotaGate(limiter), UsageLedger(store.record_usage))
+            await outer.start(tenancy.ledger.run)  # first in, last out: rows of ending requests still land
+            await outer.start(tenancy.quota.run)
             pool = WorkerPool(sock, cfg.model_name, cfg.timing, cfg.admission,
                               lambda: supervisor.restart_eta() if supervisor is not None else None)
             await outer.start(pool.run)
@@ -72,7 +113,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
                 supervisor = Supervisor(pool, cfg.workers, zmq_addr, model_dir, cfg.model_name, cfg.engine,
                                         cfg.timing)
                 await outer.start(supervisor.run)
-            app = create_app(GatewayState(cfg, tokenizer, pool))
+            app = create_app(GatewayState(cfg, tokenizer, pool, tenancy))
             stop = trio.Event()
             async with trio.open_nursery() as http:
                 if handle_signals:
@@ -93,3 +134,5 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
     finally:
         sock.close()
         ctx.term()
+        limiter.close()
+        store.close()

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -73,25 +73,40 @@ def _deadline(timeout: float | None) -> Any:
 
 
 async def complete(pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
-                   timeout: float | None) -> dict[str, Any]:
+                   timeout: float | None, account: Account) -> dict[str, Any]:
     """The non-streaming path, run in the route handler itself (a disconnect cancels it)."""
     async def emit(_: Delta) -> None:
         pass
 
+    status = "cancelled"  # what the ledger says unless the request gets further
     try:
         with _deadline(timeout):
             await follow(handle, asm, emit)
+        pool.release(handle)  # aborts it on the worker when a stop string ended it early
+        await account.finish(asm)  # the ledger row is durable before the response leaves
     except trio.TooSlowError:
+        status = "timeout"
         raise APIError(504, "the request timed out", code="timeout") from None
     except RequestFailed as e:
+        status = e.code
         raise failure_to_api_error(e) from None
     finally:
-        pool.release(handle)  # aborts it on the worker unless it finished there (stop string, cancel)
+        pool.release(handle)
+        account.end(asm, status)
     return builder.final(asm)
 
 
 class ConsumerGone(Exception):
     pass
+
+
+class Account(Protocol):
+    """A request's accounting (``gateway.admission.RequestAccount``): ``finish`` when it completed, before the
+    final chunk; ``end`` on every path (a no-op after ``finish``)."""
+
+    async def finish(self, asm: OutputAssembler) -> None: ...
+
+    def end(self, asm: OutputAssembler, status: str) -> None: ...
 
 
 class SSEBody:
@@ -120,9 +135,11 @@ class StreamProducer:
     """The task side of one stream; run it with ``nursery.start_soon(producer.run)``."""
 
     def __init__(self, pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
-                 timeout: float | None, ping_interval: float) -> None:
+                 timeout: float | None, ping_interval: float, account: Account) -> None:
         self.pool, self.handle, self.asm, self.builder = pool, handle, asm, builder
         self.timeout, self.ping_interval = timeout, ping_interval
+        self.account = account
+        self.status = "cancelled"  # the ledger's word for this stream unless it completes or fails
         self.scope = trio.CancelScope()
         self._send, self.events = trio.open_memory_channel[str](SSE_BUFFER)
 
@@ -136,6 +153,9 @@ class StreamProducer:
         raise ConsumerGone()
 
     async def _emit(self, d: Delta) -> None:
+        if d.finish_reason is not None:
+            self.pool.release(self.handle)  # aborts it on the worker when a stop string ended it early
+            await self.account.finish(self.asm)  # durable in the ledger before the client sees the end
         chunk = self.builder.delta_chunk(d)
         if chunk is not None:
             await self._put(sse_event(chunk))
@@ -147,6 +167,7 @@ class StreamProducer:
                     await self._stream()
         finally:
             self.pool.release(self.handle)
+            self.account.end(self.asm, self.status)
 
     async def _stream(self) -> None:
         try:
@@ -161,8 +182,10 @@ class StreamProducer:
         except (trio.BrokenResourceError, ConsumerGone):
             return  # the client is gone: nothing to tell it
         except trio.TooSlowError:
+            self.status = "timeout"
             await self._fail(APIError(504, "the request timed out", code="timeout"))
         except RequestFailed as e:
+            self.status = e.code
             await self._fail(failure_to_api_error(e))
 
     async def _ping(self) -> None:

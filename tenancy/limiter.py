@@ -10,7 +10,12 @@ Semantics (issue 4):
   on completion, error, cancel and worker death alike.
 - a request that can never fit (over max_tokens_per_request, max_prompt_tokens, tpm or the whole budget) is
   reported as `never_fits` (a 400), distinct from a 429 that a retry can cure.
+- the budget counter of a scope first seen in a period starts at what the ledger says it already used in that
+  period (`budget_used(scope, period_start)`); a period that rolls over while running starts at 0.
 The clock is wall time (seconds since the epoch) because budget periods are calendar periods.
+
+`RateLimiter` is the interface the gateway calls; `Limiter` is the in-process implementation and
+`tenancy.redis_limiter.RedisLimiter` the shared one (one limit across every gateway that uses the same Redis).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Literal, Protocol
 
 from tenancy.models import BudgetPeriod, Quota
 
@@ -28,7 +33,12 @@ WINDOW_S = 60.0
 _EPS = 1e-6  # float slack so that waiting exactly `retry_after` is always enough
 CONCURRENCY_RETRY_HINT_S = 1.0  # a slot frees when some other request ends: unknowable, so only a hint
 
-DenyReason = Literal["rate_limit_exceeded", "concurrency", "insufficient_quota", "never_fits"]
+UNAVAILABLE_RETRY_S = 1.0  # the shared backend is down: retry soon (and a gateway skips it for this long)
+
+DenyReason = Literal["rate_limit_exceeded", "concurrency", "insufficient_quota", "never_fits", "unavailable"]
+Dimension = Literal["requests", "tokens", "budget", "concurrency"]
+BudgetUsed = Callable[[str, float], int]
+"""`budget_used(scope_name, since_unix)`: tokens the scope already used since then, per the ledger."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ class RateLimitInfo:
 class Decision:
     allowed: bool
     reason: DenyReason | None = None
-    dimension: Literal["requests", "tokens", "budget", "concurrency"] | None = None
+    dimension: Dimension | None = None
     retry_after: float | None = None  # seconds; accurate for rpm/tpm denials
     message: str = ""
     info: RateLimitInfo = field(default_factory=RateLimitInfo)
@@ -73,6 +83,8 @@ class Decision:
     def http_status(self) -> int:
         if self.allowed:
             return 200
+        if self.reason == "unavailable":
+            return 503
         return 400 if self.reason == "never_fits" else 429
 
     def headers(self) -> dict[str, str]:
@@ -96,15 +108,45 @@ def format_duration(seconds: float | None) -> str:
     return f"{int(minutes)}m{rest_str}s" if minutes else f"{rest_str}s"
 
 
+def period_start(now: float, period: BudgetPeriod) -> float:
+    """Start of the UTC day or month containing `now`."""
+    day = datetime.fromtimestamp(now, tz=timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (day if period == "day" else day.replace(day=1)).timestamp()
+
+
 def period_end(now: float, period: BudgetPeriod) -> float:
     """End of the UTC day or month containing `now`."""
-    t = datetime.fromtimestamp(now, tz=timezone.utc)
-    start = t.replace(hour=0, minute=0, second=0, microsecond=0)
     if period == "day":
-        return start.timestamp() + 86400.0
-    start = start.replace(day=1)
+        return period_start(now, period) + 86400.0
+    start = datetime.fromtimestamp(period_start(now, period), tz=timezone.utc)
     nxt = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
     return nxt.timestamp()
+
+
+class RateLimiter(Protocol):
+    """What the gateway calls. Every method is thread-safe; when `blocking` is True the calls do network I/O and
+    the gateway runs them in a worker thread (trio.to_thread)."""
+    blocking: bool
+
+    def admit(self, request_id: str, scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> Decision:
+        """Check every scope and, only if all allow it, reserve `prompt + max_tokens` tokens and a slot in each."""
+        ...
+
+    def settle(self, request_id: str, used_tokens: int) -> bool:
+        """End of a request on any path: refund `reserved - used` (or charge overuse), free the slot. Idempotent:
+        False for an unknown or already settled request (or, for a shared backend, one it could not reach)."""
+        ...
+
+    def peek(self, scopes: Sequence[Scope]) -> RateLimitInfo:
+        """The x-ratelimit-* values right now, consuming nothing."""
+        ...
+
+    def renew(self) -> None:
+        """Extend the leases of this process's in-flight reservations (a no-op in process)."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 @dataclass
@@ -117,9 +159,6 @@ class _Bucket:
         self.level = min(float(capacity), self.level + elapsed * capacity / WINDOW_S)
         self.updated = now
 
-    def wait_for(self, need: float, capacity: int) -> float:
-        return max(0.0, (need - self.level) * WINDOW_S / capacity)
-
 
 @dataclass
 class _ScopeState:
@@ -127,29 +166,26 @@ class _ScopeState:
     tokens: _Bucket | None = None
     in_flight: set[str] = field(default_factory=set)
     budget_used: int = 0
-    budget_period_end: float = 0.0
+    budget_period_end: float = 0.0  # 0: no budget counter yet
 
 
 @dataclass(frozen=True)
 class _Reservation:
     scopes: tuple[Scope, ...]
     tokens: int
-    budget_period_end: dict[str, float]
+    budget_period_end: dict[str, float | None]  # per scope name; None where no budget was charged
 
 
 class Limiter:
-    def __init__(self, clock: Callable[[], float]) -> None:
+    """The in-process `RateLimiter`: one gateway process, no I/O except `budget_used` on a scope's first sight."""
+    blocking: bool = False
+
+    def __init__(self, clock: Callable[[], float], budget_used: BudgetUsed | None = None) -> None:
         self._clock = clock
+        self._budget_used = budget_used
         self._lock = threading.Lock()  # the gateway may call from threads; decisions must be atomic
         self._states: dict[str, _ScopeState] = {}
         self._reservations: dict[str, _Reservation] = {}
-
-    def seed_budget(self, scope: str, used_tokens: int) -> None:
-        """Start a scope's current-period budget counter from the ledger (called at gateway start)."""
-        if used_tokens < 0:
-            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
-        with self._lock:
-            self._states.setdefault(scope, _ScopeState()).budget_used = used_tokens
 
     def in_flight(self, scope: str) -> int:
         with self._lock:
@@ -163,24 +199,39 @@ class Limiter:
         never = _never_fits(scopes, prompt_tokens, max_tokens)
         if never is not None:
             return Decision(False, "never_fits", message=never)
-        with self._lock:
-            if request_id in self._reservations:
-                raise ValueError(f"request {request_id!r} already holds a reservation")
-            now = self._clock()
-            states = [self._refresh(s, now) for s in scopes]
-            denial = _check(scopes, states, cost, now)
-            if denial is not None:
-                return Decision(False, denial[0], denial[1], denial[2], denial[3], _info(scopes, states))
-            for scope, state in zip(scopes, states):
-                if state.requests is not None:
-                    state.requests.level -= 1
-                if state.tokens is not None:
-                    state.tokens.level -= cost
-                state.in_flight.add(request_id)
+        ledger = self._budget_used
+        seeds: dict[tuple[str, float], int] = {}
+        while True:
+            with self._lock:
+                if request_id in self._reservations:
+                    raise ValueError(f"request {request_id!r} already holds a reservation")
+                now = self._clock()
+                unseeded = self._unseeded(scopes, now, seeds)
+                if ledger is None or not unseeded:
+                    return self._admit_locked(request_id, scopes, cost, now, seeds)
+            # First sight of a budget in this period: ask the ledger outside the lock (it may be a database read).
+            for name, (start, end) in unseeded.items():
+                seeds[(name, end)] = ledger(name, start)
+
+    def _admit_locked(self, request_id: str, scopes: Sequence[Scope], cost: int, now: float,
+                      seeds: dict[tuple[str, float], int]) -> Decision:
+        states = [self._refresh(s, now, seeds) for s in scopes]
+        denial = _check(scopes, [_levels(st) for st in states], [st.budget_used for st in states],
+                        [st.budget_period_end for st in states], [len(st.in_flight) for st in states], cost, now)
+        if denial is not None:
+            return denial
+        for scope, state in zip(scopes, states):
+            if state.requests is not None:
+                state.requests.level -= 1
+            if state.tokens is not None:
+                state.tokens.level -= cost
+            state.in_flight.add(request_id)
+            if _has_budget(scope):
                 state.budget_used += cost
-            self._reservations[request_id] = _Reservation(
-                tuple(scopes), cost, {s.name: st.budget_period_end for s, st in zip(scopes, states)})
-            return Decision(True, info=_info(scopes, states))
+        self._reservations[request_id] = _Reservation(
+            tuple(scopes), cost,
+            {s.name: st.budget_period_end if _has_budget(s) else None for s, st in zip(scopes, states)})
+        return Decision(True, info=_info(scopes, [_levels(st) for st in states]))
 
     def settle(self, request_id: str, used_tokens: int) -> bool:
         """End of a request on any path: refund `reserved - used` tokens and free the slot. Idempotent: returns
@@ -194,16 +245,56 @@ class Limiter:
             now = self._clock()
             delta = reservation.tokens - used_tokens
             for scope in reservation.scopes:
-                state = self._refresh(scope, now)
+                state = self._refresh_buckets(scope, now)
                 if state.tokens is not None and scope.quota.tpm is not None:
                     state.tokens.level = min(float(scope.quota.tpm), state.tokens.level + delta)
-                if state.budget_period_end == reservation.budget_period_end[scope.name]:
+                charged = reservation.budget_period_end[scope.name]
+                if charged is not None and state.budget_period_end == charged:
                     # A reservation from a period that has since rolled over is not the new period's business.
                     state.budget_used = max(0, state.budget_used - delta)
                 state.in_flight.discard(request_id)
             return True
 
-    def _refresh(self, scope: Scope, now: float) -> _ScopeState:
+    def peek(self, scopes: Sequence[Scope]) -> RateLimitInfo:
+        with self._lock:
+            now = self._clock()
+            return _info(scopes, [_levels(self._refresh_buckets(s, now)) for s in scopes])
+
+    def renew(self) -> None:
+        """Nothing to renew: in-process slots cannot outlive the process."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def _unseeded(self, scopes: Sequence[Scope], now: float, seeds: dict[tuple[str, float], int]
+                  ) -> dict[str, tuple[float, float]]:
+        """{scope name: (period start, period end)} of budget counters that must be seeded from the ledger first."""
+        if self._budget_used is None:
+            return {}
+        out: dict[str, tuple[float, float]] = {}
+        for scope in scopes:
+            period = scope.quota.budget_period
+            if not _has_budget(scope) or period is None:
+                continue
+            state = self._states.get(scope.name)
+            end = period_end(now, period)
+            if (_budget_transition(state.budget_period_end if state else 0.0, end, now) == "seed"
+                    and (scope.name, end) not in seeds):
+                out[scope.name] = (period_start(now, period), end)
+        return out
+
+    def _refresh(self, scope: Scope, now: float, seeds: dict[tuple[str, float], int]) -> _ScopeState:
+        state = self._refresh_buckets(scope, now)
+        period = scope.quota.budget_period
+        if _has_budget(scope) and period is not None:
+            end = period_end(now, period)
+            transition = _budget_transition(state.budget_period_end, end, now)
+            if transition != "keep":
+                state.budget_used = 0 if transition == "rollover" else seeds.get((scope.name, end), 0)
+                state.budget_period_end = end
+        return state
+
+    def _refresh_buckets(self, scope: Scope, now: float) -> _ScopeState:
         q = scope.quota
         state = self._states.setdefault(scope.name, _ScopeState())
         # Buckets start full and follow the current quota (a CLI change applies at the next request).
@@ -217,12 +308,24 @@ class Limiter:
         else:
             state.tokens = state.tokens or _Bucket(float(q.tpm), now)
             state.tokens.refill(now, q.tpm)
-        if q.budget_period is not None:
-            if now >= state.budget_period_end:
-                if state.budget_period_end:  # not the first sight of this scope: a new period starts empty
-                    state.budget_used = 0
-                state.budget_period_end = period_end(now, q.budget_period)
         return state
+
+
+def _has_budget(scope: Scope) -> bool:
+    return scope.quota.token_budget is not None and scope.quota.budget_period is not None
+
+
+def _budget_transition(current_end: float, end: float, now: float) -> Literal["keep", "rollover", "seed"]:
+    """How a budget counter whose period ends at `current_end` (0: none yet) enters the period ending at `end`:
+    kept, restarted at 0 (the period rolled over while running), or seeded from the ledger (first sight, or the
+    quota's period changed)."""
+    if current_end == end:
+        return "keep"
+    return "rollover" if current_end and now >= current_end else "seed"
+
+
+def _levels(state: _ScopeState) -> tuple[float | None, float | None]:
+    return (state.requests.level if state.requests else None, state.tokens.level if state.tokens else None)
 
 
 def _never_fits(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> str | None:
@@ -240,44 +343,71 @@ def _never_fits(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) ->
     return None
 
 
-def _check(scopes: Sequence[Scope], states: Sequence[_ScopeState], cost: int, now: float
-           ) -> tuple[DenyReason, Literal["requests", "tokens", "budget", "concurrency"], float | None, str] | None:
+def _check(scopes: Sequence[Scope], levels: Sequence[tuple[float | None, float | None]],
+           budget_used: Sequence[int], budget_period_end: Sequence[float], in_flight: Sequence[int], cost: int,
+           now: float) -> Decision | None:
     """The most important denial, or None. Budget beats rate beats concurrency: a budget 429 must not be retried,
-    and a rate 429's retry_after is the max over every bucket that is short, so one wait clears them all."""
-    rate_wait: dict[str, float] = {}
-    concurrency = None
-    for scope, state in zip(scopes, states):
+    and a rate 429's retry_after is the max over every bucket that is short, so one wait clears them all.
+    (tenancy/redis_limiter.py's admit script mirrors this function line by line.)"""
+    info = _info(scopes, levels)
+    requests_wait: float | None = None
+    tokens_wait: float | None = None
+    concurrency: int | None = None
+    for i, scope in enumerate(scopes):
         q = scope.quota
-        if q.token_budget is not None and state.budget_used + cost > q.token_budget:
-            # retry_after here is when the period resets; the 429 says x-should-retry: false regardless.
-            return ("insufficient_quota", "budget", max(0.0, state.budget_period_end - now),
-                    f"token budget of {q.token_budget} per {q.budget_period} exhausted for {scope.name}")
-        if q.rpm is not None and state.requests is not None and state.requests.level + _EPS < 1:
-            rate_wait["requests"] = max(rate_wait.get("requests", 0.0), state.requests.wait_for(1, q.rpm))
-        if q.tpm is not None and state.tokens is not None and state.tokens.level + _EPS < cost:
-            rate_wait["tokens"] = max(rate_wait.get("tokens", 0.0), state.tokens.wait_for(cost, q.tpm))
-        if q.max_concurrent is not None and len(state.in_flight) >= q.max_concurrent:
-            concurrency = f"{scope.name} already has {len(state.in_flight)} requests in flight (max {q.max_concurrent})"
-    if rate_wait:
-        wait = max(rate_wait.values())
-        dimension: Literal["requests", "tokens"] = "tokens" if rate_wait.get("tokens", -1.0) >= wait else "requests"
-        return ("rate_limit_exceeded", dimension, wait,
-                f"rate limit reached for {dimension} per minute; retry after {wait:.3f}s")
+        requests, tokens = levels[i]
+        if _has_budget(scope) and q.token_budget is not None and budget_used[i] + cost > q.token_budget:
+            return budget_denial(scope, budget_period_end[i], now, info)
+        if q.rpm is not None and requests is not None and requests + _EPS < 1:
+            requests_wait = max(requests_wait or 0.0, _wait_for(1, requests, q.rpm))
+        if q.tpm is not None and tokens is not None and tokens + _EPS < cost:
+            tokens_wait = max(tokens_wait or 0.0, _wait_for(cost, tokens, q.tpm))
+        if q.max_concurrent is not None and in_flight[i] >= q.max_concurrent:
+            concurrency = i
+    if requests_wait is not None or tokens_wait is not None:
+        return rate_denial(requests_wait, tokens_wait, info)
     if concurrency is not None:
-        return ("concurrency", "concurrency", CONCURRENCY_RETRY_HINT_S, concurrency)
+        return concurrency_denial(scopes[concurrency], in_flight[concurrency], info)
     return None
 
 
-def _info(scopes: Sequence[Scope], states: Sequence[_ScopeState]) -> RateLimitInfo:
+def _wait_for(need: float, level: float, capacity: int) -> float:
+    """Seconds until a bucket of `capacity` per minute at `level` holds `need`."""
+    return max(0.0, (need - level) * WINDOW_S / capacity)
+
+
+def budget_denial(scope: Scope, budget_period_end: float, now: float, info: RateLimitInfo) -> Decision:
+    # retry_after here is when the period resets; the 429 says x-should-retry: false regardless.
+    q = scope.quota
+    return Decision(False, "insufficient_quota", "budget", max(0.0, budget_period_end - now),
+                    f"token budget of {q.token_budget} per {q.budget_period} exhausted for {scope.name}", info)
+
+
+def rate_denial(requests_wait: float | None, tokens_wait: float | None, info: RateLimitInfo) -> Decision:
+    wait = max(w for w in (requests_wait, tokens_wait) if w is not None)
+    dimension: Literal["requests", "tokens"] = (
+        "tokens" if tokens_wait is not None and tokens_wait >= wait else "requests")
+    return Decision(False, "rate_limit_exceeded", dimension, wait,
+                    f"rate limit reached for {dimension} per minute; retry after {wait:.3f}s", info)
+
+
+def concurrency_denial(scope: Scope, in_flight: int, info: RateLimitInfo) -> Decision:
+    return Decision(False, "concurrency", "concurrency", CONCURRENCY_RETRY_HINT_S,
+                    f"{scope.name} already has {in_flight} requests in flight (max {scope.quota.max_concurrent})",
+                    info)
+
+
+def _info(scopes: Sequence[Scope], levels: Sequence[tuple[float | None, float | None]]) -> RateLimitInfo:
+    """x-ratelimit-* values from each scope's (requests level, tokens level), from the tightest scope."""
     req: tuple[int, float, float] | None = None  # (limit, level, reset) of the tightest scope
     tok: tuple[int, float, float] | None = None
-    for scope, state in zip(scopes, states):
+    for scope, (requests, tokens) in zip(scopes, levels):
         q = scope.quota
-        if q.rpm is not None and state.requests is not None:
-            cand = (q.rpm, state.requests.level, (q.rpm - state.requests.level) * WINDOW_S / q.rpm)
+        if q.rpm is not None and requests is not None:
+            cand = (q.rpm, requests, (q.rpm - requests) * WINDOW_S / q.rpm)
             req = cand if req is None or cand[1] < req[1] else req
-        if q.tpm is not None and state.tokens is not None:
-            cand = (q.tpm, state.tokens.level, (q.tpm - state.tokens.level) * WINDOW_S / q.tpm)
+        if q.tpm is not None and tokens is not None:
+            cand = (q.tpm, tokens, (q.tpm - tokens) * WINDOW_S / q.tpm)
             tok = cand if tok is None or cand[1] < tok[1] else tok
     return RateLimitInfo(
         req[0] if req else None, max(0, math.floor(req[1] + _EPS)) if req else None, req[2] if req else None,

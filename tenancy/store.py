@@ -167,6 +167,11 @@ class TenancyStore:
                               (self.get_tenant(tenant).id,))
         return [ApiKeyInfo(*r) for r in rows]
 
+    def find_key(self, key_id: str) -> ApiKeyInfo | None:
+        """The key's displayable record (its tenant_id says who owns it), or None for an unknown id."""
+        rows = self._read(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
+        return ApiKeyInfo(*rows[0]) if rows else None
+
     def authenticate(self, plaintext: str) -> AuthResult | None:
         """None for malformed, unknown, revoked or expired keys. A suspended tenant still authenticates: see
         AuthResult.tenant_status (401 vs 403 is the caller's call)."""

@@ -16,7 +16,7 @@ import openai
 import pytest
 import trio
 
-from tests.test_gateway_support import (API_KEY, MAX_MODEL_LEN, MODEL, Server, metrics,  # noqa: F401
+from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, Server, metrics,  # noqa: F401
                                         server, tiny_model_dir, wait_idle)
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,7 +26,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_sdk_sync_chat_and_completion(client: openai.OpenAI) -> None:
 
 def test_sdk_async_stream_and_plain(server: Server) -> None:
     async def main() -> None:
-        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
         plain = await c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
         stream = await c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=8, temperature=0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.test_gateway_support import API_KEY, start_server
+from tests.test_gateway_support import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -15,7 +15,7 @@ def test_smollm2_chat_through_gateway(tmp_path) -> None:  # type: ignore[no-unty
 
     srv = start_server(resolve_model_dir("smollm2"), tmp_path / "gateway.log", served_name="smollm2")
     try:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120)
         r = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=32, temperature=0)

@@ -7,6 +7,8 @@ import the same function). Everything binds 127.0.0.1 on a free port.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,7 +22,6 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-API_KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096
 STARTUP_TIMEOUT_S = 90.0
@@ -32,16 +33,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ADMIN_TOKEN = "admin-" + "t" * 26
+_DEMO_KEY_RE = re.compile(r"export KVGATE_API_KEY=(kvg-\S+)")
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
     model_dir: Path
+    db_path: Path
+    secret: str  # KVGATE_SECRET of this deployment: kvgatectl --db needs the same one
+    api_key: str = ""  # the demo tenant's key, printed once on the first start
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of this gateway's deployment (for kvgatectl and a second gateway on its store)."""
+        return deployment_env(self.secret)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -75,21 +92,31 @@ class Server:
                 self.proc.wait(5)
 
 
-def start_server(model_dir: Path, log_path: Path, *extra: str, workers: int = 1, served_name: str = MODEL) -> Server:
+def deployment_env(secret: str) -> dict[str, str]:
+    return {**os.environ, "KVGATE_SECRET": secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def start_server(model_dir: Path, log_path: Path, *extra: str, workers: int = 1, served_name: str = MODEL,
+                 db_path: Path | None = None, secret: str | None = None) -> Server:
+    """A ``kvgate serve`` on a free port. A fresh store (the default: beside the log) gets the demo tenant,
+    whose printed key becomes ``server.api_key``; pass ``db_path`` and ``secret`` to share a store."""
     port = free_port()
+    db_path = db_path or log_path.with_name("kvgate.db")
     cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(model_dir), "--served-model-name", served_name, "--workers", str(workers),
-           "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "16384",
-           "--log-level", "INFO", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+           "--db", str(db_path), "--admin-token", ADMIN_TOKEN,
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "16384", "--log-level", "INFO", *extra]
+    secret = secret or secrets.token_hex(32)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=deployment_env(secret))
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir, db_path, secret)
     try:
         server.wait_ready()
     except BaseException:
         server.stop()
         raise
+    found = _DEMO_KEY_RE.search(server.log())
+    server.api_key = found.group(1) if found else ""
     return server
 
 

@@ -1,0 +1,172 @@
+"""The ``/admin`` JSON API: tenants, keys, quotas and usage over the tenancy store, for ``kvgatectl --url``.
+
+Every route needs ``Authorization: Bearer <admin token>`` (compared in constant time); tenant API keys never
+work here. Without an admin token the API is disabled (403). The JSON shapes are ``tenancy.admin_ops``'s, so
+the API and ``kvgatectl --db`` answer alike. Store calls block on SQLite's fsync, so they run in a thread;
+``on_change`` runs after every successful mutation (the gateway drops its auth/quota cache then).
+
+    GET    /admin/tenants                       -> {"object": "list", "data": [tenant]}
+    POST   /admin/tenants {name, weight?}       -> tenant (201)
+    GET    /admin/tenants/<ref>                 -> tenant + {"keys": [key], "quota": quota}
+    PATCH  /admin/tenants/<ref> {weight}        -> tenant
+    DELETE /admin/tenants/<ref>                 -> {"id", "name", "deleted": true}
+    POST   /admin/tenants/<ref>/suspend|resume  -> tenant
+    GET    /admin/tenants/<ref>/keys            -> {"object": "list", "data": [key]}
+    POST   /admin/tenants/<ref>/keys {label?, expires_at? | expires_in_days?} -> key + {"key": plaintext} (201)
+    GET    /admin/keys[?tenant=]                -> {"object": "list", "data": [key]}
+    POST   /admin/keys/<key_id>/revoke          -> key + {"was_active": bool}
+    GET    /admin/tenants/<ref>/quota[?key_id=] -> {"tenant_id", "tenant", "key_id", "scope", "row", "effective"}
+    PUT    /admin/tenants/<ref>/quota[?key_id=] {field: value | null, ...} -> the same (merged into the row)
+    GET    /admin/usage[?tenant=&since=&by=day|model|key] -> {"object": "list", "tenant_id", "since", "by", "data"}
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import trio
+from quart import Blueprint, Response, request
+
+from gateway.errors import APIError, bad_request
+from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
+from tenancy.admin_values import QUOTA_FIELDS
+from tenancy.store import TenancyStore
+
+ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
+
+
+def _authorize(admin_token: str | None) -> None:
+    if not admin_token:
+        raise APIError(403, f"the admin API is disabled: start the gateway with --admin-token or "
+                            f"{ADMIN_TOKEN_ENV}", code="admin_disabled")
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_token.encode()):
+        raise APIError(401, "Incorrect admin token provided.", code="invalid_admin_token")
+
+
+async def _body(allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON object body ({} when empty), with only `allowed` fields."""
+    raw = await request.get_data(cache=False)
+    assert isinstance(raw, bytes)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    _only(body, allowed, "field")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _only(given: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    unknown = sorted(k for k in given if k not in allowed)
+    if unknown:
+        known = ", ".join(allowed) or "none"
+        raise bad_request(f"unknown {what}(s) {', '.join(unknown)}; known: {known}", param=unknown[0])
+
+
+def _query(allowed: tuple[str, ...]) -> dict[str, str]:
+    _only(request.args, allowed, "query parameter")
+    return {k: request.args[k] for k in allowed if k in request.args}
+
+
+def _json(body: Json, status: int = 200) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status=status, content_type="application/json")
+
+
+def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None]) -> Blueprint:
+    bp = Blueprint("admin", __name__, url_prefix="/admin")
+    ops = LocalAdmin(store)
+
+    @bp.before_request
+    async def require_admin_token() -> None:
+        _authorize(admin_token)
+
+    async def call(fn: Callable[..., Json], *args: Any, mutation: bool = False, status: int = 200) -> Response:
+        try:
+            result = await trio.to_thread.run_sync(functools.partial(fn, *args))
+        except AdminOpError as e:
+            raise APIError(e.status, e.message, code=e.code, param=e.param) from None
+        if mutation:
+            on_change()
+        return _json(result, status)
+
+    @bp.get("/tenants")
+    async def list_tenants() -> Response:
+        return await call(ops.list_tenants)
+
+    @bp.post("/tenants")
+    async def create_tenant() -> Response:
+        body = await _body(("name", "weight"))
+        return await call(ops.create_tenant, body.get("name"), body.get("weight", 1.0), mutation=True, status=201)
+
+    @bp.get("/tenants/<ref>")
+    async def show_tenant(ref: str) -> Response:
+        return await call(ops.show_tenant, ref)
+
+    @bp.patch("/tenants/<ref>")
+    async def update_tenant(ref: str) -> Response:
+        body = await _body(("weight",))
+        if "weight" not in body:
+            raise bad_request("nothing to update: give 'weight'", param="weight")
+        return await call(ops.update_tenant, ref, body["weight"], mutation=True)
+
+    @bp.delete("/tenants/<ref>")
+    async def delete_tenant(ref: str) -> Response:
+        return await call(ops.delete_tenant, ref, mutation=True)
+
+    @bp.post("/tenants/<ref>/suspend")
+    async def suspend_tenant(ref: str) -> Response:
+        await _body(())
+        return await call(ops.suspend_tenant, ref, mutation=True)
+
+    @bp.post("/tenants/<ref>/resume")
+    async def resume_tenant(ref: str) -> Response:
+        await _body(())
+        return await call(ops.resume_tenant, ref, mutation=True)
+
+    @bp.get("/tenants/<ref>/keys")
+    async def list_tenant_keys(ref: str) -> Response:
+        return await call(ops.list_keys, ref)
+
+    @bp.post("/tenants/<ref>/keys")
+    async def create_key(ref: str) -> Response:
+        body = await _body(("label", "expires_at", "expires_in_days"))
+        return await call(ops.create_key, ref, body.get("label", ""), body.get("expires_at"),
+                          body.get("expires_in_days"), mutation=True, status=201)
+
+    @bp.get("/keys")
+    async def list_keys() -> Response:
+        return await call(ops.list_keys, _query(("tenant",)).get("tenant"))
+
+    @bp.post("/keys/<key_id>/revoke")
+    async def revoke_key(key_id: str) -> Response:
+        await _body(())
+        return await call(ops.revoke_key, key_id, mutation=True)
+
+    @bp.get("/tenants/<ref>/quota")
+    async def get_quota(ref: str) -> Response:
+        return await call(ops.get_quota, ref, _query(("key_id",)).get("key_id"))
+
+    @bp.put("/tenants/<ref>/quota")
+    async def update_quota(ref: str) -> Response:
+        key_id = _query(("key_id",)).get("key_id")
+        body = await _body(QUOTA_FIELDS)
+        return await call(ops.update_quota, ref, body, key_id, mutation=True)
+
+    @bp.get("/usage")
+    async def usage() -> Response:
+        q = _query(("tenant", "since", "by"))
+        return await call(ops.usage, q.get("tenant"), q.get("since"), q.get("by"))
+
+    return bp

@@ -1,0 +1,156 @@
+"""Tenant admission: rate limits, concurrency slots and budgets at the edge, and the accounting of each request.
+
+``QuotaGate`` turns the limiter's decisions into OpenAI-shaped answers (429 ``rate_limit_exceeded`` with an
+accurate ``retry-after``; 429 ``insufficient_quota`` with ``x-should-retry: false``; 400 for a request that can
+never fit; 503 when a shared limiter is unreachable and the policy is fail-closed). A limiter that does network
+I/O (Redis) is called from a worker thread; its settles are queued to a task, so a ``finally`` never blocks.
+
+``RequestAccount`` ends every admitted request exactly once: a completed one writes its ledger row (awaited,
+before the final chunk) and settles its reservation to the real token count; any other end (cancel, failure,
+timeout) queues a row with what was done and settles too, so slots come back on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from gateway.auth import Principal
+from gateway.errors import APIError
+from gateway.generation import OutputAssembler
+from gateway.ledger import UsageLedger
+from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
+from tenancy.models import UsageRow
+
+log = logging.getLogger("kvgate.gateway.admission")
+T = TypeVar("T")
+
+RENEW_INTERVAL_S = 10.0  # well inside the shared limiter's slot lease, so live requests keep their slots
+
+_CODES = {"rate_limit_exceeded": "rate_limit_exceeded", "concurrency": "concurrency_limit_exceeded",
+          "insufficient_quota": "insufficient_quota", "never_fits": "exceeds_quota_limit",
+          "unavailable": "rate_limiter_unavailable"}
+
+
+def denial_error(d: Decision) -> APIError:
+    reason = d.reason or "rate_limit_exceeded"
+    # OpenAI's type for an exhausted budget is "insufficient_quota"; for the rest the status decides.
+    err_type = "insufficient_quota" if reason == "insufficient_quota" else None
+    return APIError(d.http_status, d.message or "request refused by quota", code=_CODES.get(reason, reason),
+                    err_type=err_type, extra_headers=d.headers())
+
+
+class QuotaGate:
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.limiter = limiter
+        self._settles: list[tuple[str, int]] = []
+        self._settle_wakeup = trio.Event()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.limiter.blocking:
+            return fn(*args)
+        # Not abandoned on cancel: a reservation that was made must come back to a caller that settles it. The
+        # shared limiter's own socket timeouts bound the wait (it answers "unavailable" past them).
+        return await trio.to_thread.run_sync(fn, *args)
+
+    async def admit(self, principal: Principal, request_id: str, prompt_tokens: int,
+                    max_tokens: int) -> dict[str, str]:
+        """Reserve ``prompt + max_tokens``; returns the x-ratelimit headers or raises the denial."""
+        decision: Decision = await self._call(self.limiter.admit, request_id, principal.scopes,
+                                              prompt_tokens, max_tokens)
+        if not decision.allowed:
+            raise denial_error(decision)
+        return decision.info.headers()
+
+    async def headers(self, scopes: Sequence[Scope]) -> dict[str, str]:
+        """x-ratelimit headers for a response that spends nothing (best effort: none if the limiter is down)."""
+        try:
+            info: RateLimitInfo = await self._call(self.limiter.peek, scopes)
+        except Exception as e:  # noqa: BLE001 - headers are informative; the request itself must not fail
+            log.warning("rate-limit peek failed: %s", type(e).__name__)
+            return {}
+        return info.headers()
+
+    def settle(self, request_id: str, used_tokens: int) -> None:
+        """Sync and safe in any ``finally``: the in-process limiter settles now, a shared one via the task."""
+        if not self.limiter.blocking:
+            self.limiter.settle(request_id, used_tokens)
+            return
+        self._settles.append((request_id, used_tokens))
+        self._settle_wakeup.set()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.limiter.blocking:
+                nursery.start_soon(self._settle_loop)
+                nursery.start_soon(self._renew_loop)
+            task_status.started()
+
+    async def _settle_loop(self) -> None:
+        try:
+            while True:
+                await self._settle_wakeup.wait()
+                await self._drain_settles()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await self._drain_settles()
+
+    async def _drain_settles(self) -> None:
+        self._settle_wakeup = trio.Event()
+        batch, self._settles = self._settles, []
+
+        def settle_all() -> None:
+            for request_id, used in batch:
+                self.limiter.settle(request_id, used)  # never raises: an unreachable Redis is logged
+
+        await trio.to_thread.run_sync(settle_all)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await trio.sleep(RENEW_INTERVAL_S)
+            await trio.to_thread.run_sync(self.limiter.renew)
+
+
+class RequestAccount:
+    """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
+
+    def __init__(self, gate: QuotaGate, ledger: UsageLedger, principal: Principal, request_id: str, model: str,
+                 prompt_tokens: int) -> None:
+        self._gate, self._ledger, self._principal = gate, ledger, principal
+        self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
+        self.started_wall = time.time()
+        self.started = time.monotonic()
+        self.submitted = False  # a worker got it: from here on every end is billed for what was done
+        self.done = False
+
+    def _row(self, asm: OutputAssembler, status: str) -> UsageRow:
+        now = time.monotonic()
+        ttft = None if asm.first_token_at is None else (asm.first_token_at - self.started) * 1000.0
+        return UsageRow(self.request_id, self._principal.tenant_id, self._principal.key_id, self.model,
+                        self.prompt_tokens, min(asm.num_cached_tokens, self.prompt_tokens), len(asm.token_ids),
+                        status, self.started_wall, time.time(), ttft, (now - self.started) * 1000.0)
+
+    async def finish(self, asm: OutputAssembler) -> None:
+        """The request completed: its row is durable before this returns (or queued after COMMIT_WAIT_S)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            await self._ledger.record(self._row(asm, asm.finish_reason or "stop"))
+        finally:
+            self._gate.settle(self.request_id, self.prompt_tokens + len(asm.token_ids))
+
+    def end(self, asm: OutputAssembler, status: str) -> None:
+        """Any other end (cancelled, failed, timed out, never submitted). Sync: called from ``finally``."""
+        if self.done:
+            return
+        self.done = True
+        used = 0
+        if self.submitted:
+            self._ledger.record_nowait(self._row(asm, status))
+            used = self.prompt_tokens + len(asm.token_ids)
+        self._gate.settle(self.request_id, used)

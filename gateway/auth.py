@@ -1,0 +1,161 @@
+"""Who is calling: API key -> tenant, key and quotas, cached briefly; failed attempts limited per address.
+
+The store is the truth; this cache only spares it a query per request. Entries live ``ttl`` seconds (1 s by
+default), so a key revoked or a quota changed by ``kvgatectl`` in another process takes effect within that
+time; changes made through this gateway's admin API drop the cache at once. Only keys that authenticated are
+cached (by their peppered hash, never the plaintext), so guessing cannot grow the cache. Failed attempts
+spend a per-address token bucket; an address that has spent it is answered 429 before any key is checked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import trio
+
+from gateway.errors import APIError
+from tenancy.keys import KEY_PREFIX, hash_key, mask_key
+from tenancy.limiter import Scope
+from tenancy.models import AuthResult, Quota
+from tenancy.server_secret import ServerSecret
+from tenancy.store import TenancyStore
+
+AUTH_CACHE_ENTRIES = 100_000
+ADDRESS_ENTRIES = 10_000
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: its tenant, its key, the effective quota and the limiter scopes it spends."""
+
+    tenant_id: str
+    tenant_name: str
+    key_id: str
+    weight: float
+    cache_salt: str  # opaque to workers; scopes the prefix cache to this tenant
+    quota: Quota  # effective: the key's own fields over the tenant's
+    scopes: tuple[Scope, ...]
+
+    def allows_model(self, model: str) -> bool:
+        return self.quota.allowed_models is None or model in self.quota.allowed_models
+
+
+def build_principal(auth: AuthResult, tenant_row: Quota, key_row: Quota | None, salt: str) -> Principal:
+    """Rates, concurrency and budgets count per scope: the tenant's cover all its keys, a key's own row covers
+    that key. Per-request bounds (max prompt, max tokens) follow the effective quota, where a key's value
+    overrides the tenant's, so they ride on the tenant scope and are cleared from the key scope."""
+    effective = tenant_row if key_row is None else tenant_row.overridden_by(key_row)
+    scopes = [Scope(f"tenant:{auth.tenant_id}", replace(
+        tenant_row, max_prompt_tokens=effective.max_prompt_tokens,
+        max_tokens_per_request=effective.max_tokens_per_request))]
+    if key_row is not None:
+        scopes.append(Scope(f"key:{auth.key_id}", replace(key_row, max_prompt_tokens=None,
+                                                          max_tokens_per_request=None)))
+    return Principal(auth.tenant_id, auth.tenant_name, auth.key_id, auth.weight, salt, effective, tuple(scopes))
+
+
+class AddressLimiter:
+    """Token bucket per client address for failed authentications (bounded LRU of addresses)."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if per_minute < 1:
+            raise ValueError("failed-auth limit must be >= 1 per minute")
+        self._capacity = float(per_minute)
+        self._rate = per_minute / 60.0
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # addr -> (level, updated)
+
+    def _level(self, addr: str, now: float) -> float:
+        level, updated = self._buckets.get(addr, (self._capacity, now))
+        return min(self._capacity, level + (now - updated) * self._rate)
+
+    def blocked_for(self, addr: str) -> float | None:
+        """Seconds until ``addr`` may try again, or None when it may try now."""
+        level = self._level(addr, self._clock())
+        return None if level >= 1.0 else (1.0 - level) / self._rate
+
+    def record_failure(self, addr: str) -> None:
+        now = self._clock()
+        self._buckets[addr] = (self._level(addr, now) - 1.0, now)
+        self._buckets.move_to_end(addr)
+        while len(self._buckets) > ADDRESS_ENTRIES:
+            self._buckets.popitem(last=False)
+
+
+class Authenticator:
+    def __init__(self, store: TenancyStore, secret: ServerSecret, *, ttl: float = 1.0,
+                 failures_per_minute: int = 20, clock: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._secret = secret
+        self._pepper = secret.key_pepper
+        self._ttl = ttl
+        self._clock = clock
+        self._cache: OrderedDict[str, tuple[float, Principal]] = OrderedDict()  # hash -> (expiry, who)
+        self._loading: dict[str, trio.Event] = {}  # one store lookup per key at a time, however many wait
+        self.failures = AddressLimiter(failures_per_minute, clock)
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+    async def authenticate(self, authorization: str | None, client_addr: str) -> Principal:
+        """The caller behind an ``Authorization: Bearer`` header; raises APIError 401/403/429."""
+        wait = self.failures.blocked_for(client_addr)
+        if wait is not None:
+            raise APIError(429, "too many failed authentication attempts from this address",
+                           code="too_many_auth_failures", retry_after=wait)
+        key = _bearer(authorization)
+        principal = await self._lookup(key) if key.startswith(KEY_PREFIX) else None
+        if principal is None:
+            self.failures.record_failure(client_addr)
+            shown = f": {mask_key(key)}" if key else ""
+            hint = "" if key else " You need to provide your API key in an Authorization header (Bearer)."
+            raise APIError(401, f"Incorrect API key provided{shown}.{hint}", code="invalid_api_key")
+        return principal
+
+    async def _lookup(self, key: str) -> Principal | None:
+        digest = hash_key(key, self._pepper)
+        while True:
+            hit = self._cache.get(digest)
+            if hit is not None and hit[0] > self._clock():
+                return hit[1]
+            loading = self._loading.get(digest)
+            if loading is None:
+                break
+            await loading.wait()
+        self._loading[digest] = done = trio.Event()
+        try:
+            principal = await trio.to_thread.run_sync(self._load, key)
+            if principal is not None:  # unknown keys are not cached: guesses must not fill memory
+                self._cache[digest] = (self._clock() + self._ttl, principal)
+                self._cache.move_to_end(digest)
+                while len(self._cache) > AUTH_CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            return principal
+        finally:
+            del self._loading[digest]
+            done.set()
+
+    def _load(self, key: str) -> Principal | None:
+        auth = self._store.authenticate(key)
+        if auth is None:
+            return None
+        if auth.tenant_status != "active":
+            raise _suspended(auth)
+        try:
+            tenant_row, key_row = self._store.quota_rows(auth.tenant_id, auth.key_id)
+        except KeyError:  # the tenant was deleted between the two queries
+            return None
+        return build_principal(auth, tenant_row, key_row, self._secret.cache_salt(auth.tenant_id))
+
+
+def _suspended(auth: AuthResult) -> APIError:
+    return APIError(403, f"tenant {auth.tenant_name!r} is suspended; contact your administrator",
+                    code="tenant_suspended")
+
+
+def _bearer(header: str | None) -> str:
+    scheme, _, key = (header or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else ""
