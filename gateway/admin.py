@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,11 +31,17 @@ import trio
 from quart import Blueprint, Response, request
 
 from gateway.errors import APIError, bad_request
+from gateway.http_json import json_response, read_json
 from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.store import TenancyStore
 
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
+
+
+def op_error(e: AdminOpError) -> APIError:
+    """An admin operation's refusal (unknown tenant, bad value) as the OpenAI-shaped error it answers."""
+    return APIError(e.status, e.message, code=e.code, param=e.param)
 
 
 def _authorize(admin_token: str | None) -> None:
@@ -50,22 +55,11 @@ def _authorize(admin_token: str | None) -> None:
 
 async def _body(allowed: tuple[str, ...]) -> dict[str, Any]:
     """The JSON object body ({} when empty), with only `allowed` fields."""
-    raw = await request.get_data(cache=False)
-    assert isinstance(raw, bytes)
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad_request("request body is not valid JSON") from None
+    body = await read_json(allow_empty=True)
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     _only(body, allowed, "field")
     return body
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _only(given: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:
@@ -80,10 +74,6 @@ def _query(allowed: tuple[str, ...]) -> dict[str, str]:
     return {k: request.args[k] for k in allowed if k in request.args}
 
 
-def _json(body: Json, status: int = 200) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status=status, content_type="application/json")
-
-
 def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None]) -> Blueprint:
     bp = Blueprint("admin", __name__, url_prefix="/admin")
     ops = LocalAdmin(store)
@@ -96,10 +86,10 @@ def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_chan
         try:
             result = await trio.to_thread.run_sync(functools.partial(fn, *args))
         except AdminOpError as e:
-            raise APIError(e.status, e.message, code=e.code, param=e.param) from None
+            raise op_error(e) from None
         if mutation:
             on_change()
-        return _json(result, status)
+        return json_response(result, status)
 
     @bp.get("/tenants")
     async def list_tenants() -> Response:

@@ -7,12 +7,11 @@ Errors of any kind leave as OpenAI-shaped JSON; nothing about a prompt or a comp
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import trio
 from quart import Response, g, request
@@ -20,20 +19,21 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from gateway import metrics
-from gateway.admin import create_admin_blueprint
+from gateway.admin import create_admin_blueprint, op_error
 from gateway.admission import QuotaGate, RequestAccount
 from gateway.auth import Authenticator, Principal
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, error_body
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
+from gateway.http_json import json_response, read_json
 from gateway.ledger import UsageLedger
 from gateway.pool import WorkerPool, unix_deadline
 from gateway.protocol import GenerationRequest, check_fields, parse_chat, parse_completion
 from gateway.responses import ResponseBuilder
 from gateway.streaming import StreamProducer, complete, failure_to_api_error
 from gateway.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
-from tenancy.models import UsageGrouping
+from tenancy.admin_ops import AdminOpError, LocalAdmin
 from tenancy.store import TenancyStore
 
 log = logging.getLogger("kvgate.gateway")
@@ -62,28 +62,8 @@ class Tenancy:
     ledger: UsageLedger
 
 
-def _json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status=status, headers=headers,
-                    content_type="application/json")
-
-
 def _api_error_response(e: APIError) -> Response:
-    return _json_response(e.body(), e.status, e.headers())
-
-
-async def _read_json() -> Any:
-    raw = await request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
-    assert isinstance(raw, bytes)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad_request("request body is not valid UTF-8") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise bad_request("request body nests too deeply") from None
-    except ValueError as e:  # JSONDecodeError and our constant rejection
-        raise bad_request(f"request body is not valid JSON: {e.__class__.__name__}") from None
+    return json_response(e.body(), e.status, e.headers())
 
 
 def _client_addr() -> str:
@@ -91,23 +71,6 @@ def _client_addr() -> str:
     # deployment decision (not made here), since any client can send one.
     remote = request.scope.get("client")
     return str(remote[0]) if remote else "unknown"
-
-
-def _float_arg(name: str) -> float | None:
-    raw = request.args.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request(f"'{name}' must be a number (unix seconds)", param=name) from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise bad_request(f"'{name}' must be a finite number", param=name)
-    return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def create_app(state: GatewayState) -> QuartTrio:
@@ -119,6 +82,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     pool, tok = state.pool, state.tokenizer
 
     ten = state.tenancy
+    admin_ops = LocalAdmin(ten.store)
 
     async def authorize() -> Principal:
         principal = await ten.auth.authenticate(request.headers.get("Authorization"), _client_addr())
@@ -142,7 +106,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     async def generate(kind: str) -> Response:
         principal = await authorize()
         raw_size = request.content_length or 0
-        body = await _read_json()
+        body = await read_json()
         check_model(body, principal)
         parse = parse_chat if kind == "chat" else parse_completion
         args = (body, tok, pool.max_model_len, principal.quota.max_tokens_per_request)
@@ -167,7 +131,7 @@ def create_app(state: GatewayState) -> QuartTrio:
         account.submitted = True
         builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
         if not req.stream:
-            return _json_response(await complete(pool, handle, asm, builder, timeout, account))
+            return json_response(await complete(pool, handle, asm, builder, timeout, account))
         producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
         try:
             app.nursery.start_soon(producer.run)  # from here the producer owns the handle and the account
@@ -198,17 +162,17 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        return _json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
         if not pool.ready:
             raise APIError(503, "no worker is ready", code="not_ready", retry_after=pool.retry_after())
-        return _json_response({"status": "ready", "workers": sorted(pool.workers)})
+        return json_response({"status": "ready", "workers": sorted(pool.workers)})
 
     @app.get("/version")
     async def version() -> Response:
-        return _json_response({"version": VERSION})
+        return json_response({"version": VERSION})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -216,28 +180,27 @@ def create_app(state: GatewayState) -> QuartTrio:
         entry = {"id": cfg.model_name, "object": "model", "created": state.created, "owned_by": "kvgate",
                  "root": cfg.model, "parent": None, "max_model_len": pool.max_model_len}
         data = [entry] if principal.allows_model(cfg.model_name) else []
-        return _json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
     @app.get("/v1/usage")
     async def own_usage() -> Response:
-        """The calling tenant's own usage (never another's): totals, optionally since a time and grouped."""
+        """The calling tenant's own usage (never another's): the admin API's shape for one tenant, with
+        ``since`` (unix seconds, ISO date/time or 7d/24h) and ``by`` (day, model, key)."""
         principal = await authorize()
-        since = _float_arg("since")
-        by = request.args.get("by") or None
-        if by is not None and by not in ("day", "model", "key"):
-            raise bad_request("'by' must be one of day, model, key", param="by")
-        groups = await trio.to_thread.run_sync(ten.store.usage_summary, principal.tenant_id, since,
-                                               cast(UsageGrouping | None, by))
-        return _json_response({"object": "usage", "tenant": principal.tenant_name, "since": since, "by": by,
-                               "data": [{"group": u.group, "requests": u.requests, "prompt_tokens": u.prompt_tokens,
-                                         "cached_tokens": u.cached_tokens,
-                                         "completion_tokens": u.completion_tokens,
-                                         "total_tokens": u.total_tokens} for u in groups]})
+        unknown = sorted(set(request.args) - {"since", "by"})
+        if unknown:
+            raise bad_request(f"unknown query parameter(s) {', '.join(unknown)}", param=unknown[0])
+        try:
+            body = await trio.to_thread.run_sync(admin_ops.usage, principal.tenant_id, request.args.get("since"),
+                                                 request.args.get("by"))
+        except AdminOpError as e:
+            raise op_error(e) from None
+        return json_response({**body, "tenant": principal.tenant_name})
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
         principal = await authorize()
-        body = check_fields(await _read_json(), {"model": _any, "prompt": _any, "messages": _any,
+        body = check_fields(await read_json(), {"model": _any, "prompt": _any, "messages": _any,
                                                  "add_generation_prompt": _any})
         if "model" in body:
             check_model(body, principal)
@@ -251,18 +214,18 @@ def create_app(state: GatewayState) -> QuartTrio:
                 raise bad_request("give exactly one of 'prompt' (a string) or 'messages'")
         except (InvalidText, ChatTemplateError) as e:
             raise bad_request(str(e)) from None
-        return _json_response({"tokens": ids, "count": len(ids), "max_model_len": pool.max_model_len})
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": pool.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
         principal = await authorize()
-        body = check_fields(await _read_json(), {"model": _any, "tokens": _any})
+        body = check_fields(await read_json(), {"model": _any, "tokens": _any})
         if "model" in body:
             check_model(body, principal)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
             raise bad_request(f"'tokens' must be an array of token ids in [0, {tok.vocab_size})", param="tokens")
-        return _json_response({"prompt": tok.decode(ids)})
+        return json_response({"prompt": tok.decode(ids)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -284,7 +247,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     @app.errorhandler(Exception)
     async def on_unexpected(e: Exception) -> Response:
         log.exception("unhandled %s in %s", type(e).__name__, request.path)
-        return _json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
+        return json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
 
     return app
 

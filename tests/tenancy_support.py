@@ -88,11 +88,11 @@ async def _one(client: httpx.AsyncClient, url: str, key: str, body: dict[str, An
         return Outcome(200, r.headers, final, sent, time.monotonic(), times)
 
 
-def run_concurrently(url: str, calls: list[tuple[str, dict[str, Any]]], timeout: float = 120.0) -> list[Outcome]:
-    """Sends every (key, body) at once (one connection each) and returns the outcomes in order."""
+def run_concurrently(calls: list[tuple[str, str, dict[str, Any]]], timeout: float = 120.0) -> list[Outcome]:
+    """Sends every (url, key, body) at once (one connection each) and returns the outcomes in order."""
     results: list[Outcome | None] = [None] * len(calls)
 
-    async def go(i: int, key: str, body: dict[str, Any], client: httpx.AsyncClient) -> None:
+    async def go(i: int, url: str, key: str, body: dict[str, Any], client: httpx.AsyncClient) -> None:
         results[i] = await _one(client, url, key, body)
 
     async def main() -> None:
@@ -100,8 +100,8 @@ def run_concurrently(url: str, calls: list[tuple[str, dict[str, Any]]], timeout:
         with trio.fail_after(timeout):
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 async with trio.open_nursery() as nursery:
-                    for i, (key, body) in enumerate(calls):
-                        nursery.start_soon(go, i, key, body, client)
+                    for i, (url, key, body) in enumerate(calls):
+                        nursery.start_soon(go, i, url, key, body, client)
 
     trio.run(main)
     return [r for r in results if r is not None]

@@ -84,9 +84,10 @@ def test_tenants_see_only_their_usage_and_never_share_prefix_cache(srv: Server) 
 def test_burst_of_200_never_admits_more_tokens_than_tpm_and_retry_after_works(srv: Server) -> None:
     tpm, cost = 600, 12  # each request reserves 10 prompt + 2 completion tokens and uses exactly that
     tenant_id, key = make_tenant(srv, "burst", quota=Quota(tpm=tpm))
-    calls = [(key, _completion(ids_prompt(10, seed=1000 + i), max_tokens=2)) for i in range(200)]
+    calls = [(f"{srv.url}{COMP}", key, _completion(ids_prompt(10, seed=1000 + i), max_tokens=2))
+             for i in range(200)]
     t0 = time.monotonic()
-    outs = run_concurrently(f"{srv.url}{COMP}", calls)
+    outs = run_concurrently(calls)
     elapsed = time.monotonic() - t0
     ok = [o for o in outs if o.status == 200]
     limited = [o for o in outs if o.status == 429]
@@ -113,6 +114,33 @@ def test_burst_of_200_never_admits_more_tokens_than_tpm_and_retry_after_works(sr
     time.sleep(int(r.headers["retry-after-ms"]) / 1000.0)
     retry = _post(srv, key, body)
     assert retry.status_code == 200, retry.text
+
+
+def test_concurrency_slot_comes_back_when_the_client_disconnects(srv: Server) -> None:
+    tenant_id, key = make_tenant(srv, "one-at-a-time", quota=Quota(max_concurrent=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    long = _completion(ids_prompt(16, 77), max_tokens=3000, stream=True)
+    with httpx.stream("POST", f"{srv.url}{COMP}", json=long, headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is running
+        second = _post(srv, key, _completion([1, 2, 3]))
+        assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_limit_exceeded"
+        assert int(second.headers["retry-after"]) >= 1
+    t0 = time.monotonic()  # the client went away mid-stream: its slot must come back
+    while (again := _post(srv, key, _completion([1, 2, 3]))).status_code == 429:
+        assert time.monotonic() - t0 < 5.0, "the slot of a disconnected stream was not released"
+        time.sleep(0.05)
+    assert again.status_code == 200
+    for _ in range(40):  # the cancelled stream's row is queued, not awaited: give the group commit a moment
+        with store_of(srv) as store:
+            rows = store.usage_rows(tenant_id)
+        if len(rows) >= 2:
+            break
+        time.sleep(0.05)
+    cancelled = [row for row in rows if row.status == "cancelled"]
+    assert len(rows) == 2 and len(cancelled) == 1  # the stream is billed for what it generated
+    assert 0 < cancelled[0].completion_tokens < 3000 and cancelled[0].prompt_tokens == 16
 
 
 def test_revoked_key_fails_within_2s_on_a_running_gateway(srv: Server) -> None:
@@ -177,16 +205,18 @@ def test_weighted_fairness_one_to_three_with_the_worker_saturated(srv: Server) -
     n, tokens = 24, 8
     calls = []
     for i in range(n):  # interleaved, distinct prompts: no prefix-cache help, no arrival-order advantage
-        calls.append((light, _completion(ids_prompt(8, 9000 + i), tokens, stream=True, logprobs=0)))
-        calls.append((heavy, _completion(ids_prompt(8, 9500 + i), tokens, stream=True, logprobs=0)))
-    outs = run_concurrently(f"{srv.url}{COMP}", calls)
+        calls.append((f"{srv.url}{COMP}", light, _completion(ids_prompt(8, 9000 + i), tokens, stream=True,
+                                                             logprobs=0)))
+        calls.append((f"{srv.url}{COMP}", heavy, _completion(ids_prompt(8, 9500 + i), tokens, stream=True,
+                                                             logprobs=0)))
+    outs = run_concurrently(calls)
     assert all(o.status == 200 and len(o.token_times) == tokens for o in outs)
     # Every request generates the same number of tokens, so the share of generated tokens is the share of
     # admissions (a request's first token marks when the worker admitted it). The first MAX_NUM_SEQS are
     # admitted as they arrive, before any queue forms; after that the fair queue picks, until the heavy
     # tenant's queue runs dry.
     admitted = sorted(zip(outs, calls), key=lambda oc: oc[0].token_times[0])
-    order = [key == heavy for _, (key, _) in admitted]
+    order = [key == heavy for _, (_, key, _) in admitted]
     last_heavy = max(i for i, h in enumerate(order) if h)
     window = order[MAX_NUM_SEQS:last_heavy + 1]
     got_heavy, got_light = sum(window) * tokens, (len(window) - sum(window)) * tokens

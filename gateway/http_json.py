@@ -1,0 +1,39 @@
+"""JSON in and out of Quart handlers, strictly: one parser and one response builder for every route."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quart import Response, request
+
+from gateway.errors import bad_request
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status=status, headers=headers,
+                    content_type="application/json")
+
+
+async def read_json(*, allow_empty: bool = False) -> Any:
+    """The request body as JSON; 400 for bad UTF-8, bad JSON, NaN/Infinity or absurd nesting, 413 (raised by
+    Quart) past MAX_CONTENT_LENGTH. An empty body is ``{}`` when ``allow_empty``."""
+    raw = await request.get_data(cache=False)
+    if not isinstance(raw, bytes):
+        raise TypeError("request.get_data returned text; expected bytes")
+    if allow_empty and not raw.strip():
+        return {}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("request body nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError and our constant rejection
+        raise bad_request(f"request body is not valid JSON: {e.__class__.__name__}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

@@ -1,0 +1,103 @@
+"""Tenancy across process boundaries, over real HTTP: the usage ledger survives a SIGKILL of the gateway
+right after its last response, and two gateways sharing one store and one Redis enforce one limit, not two
+(and refuse with 503 while Redis is down, since the default is fail-closed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tenancy.models import Quota
+from tests.redis_support import RedisServer, redis_server, redis_url  # noqa: F401
+from tests.tenancy_support import ids_prompt, make_tenant, run_concurrently, store_of
+from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.timeout(240)
+
+COMP, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _body(seed: int, max_tokens: int = 3, **kw: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": ids_prompt(12, seed), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+def test_ledger_has_exactly_the_completed_requests_after_sigkill(tiny_model_dir: Path, tmp_path: Path) -> None:
+    srv = start_server(tiny_model_dir, tmp_path / "gateway.log")
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        calls = [(f"{srv.url}{COMP}", srv.api_key, _body(i, 2 + i % 3)) for i in range(4)]
+        calls += [(f"{srv.url}{COMP}", srv.api_key,
+                   _body(10 + i, 5, stream=True, stream_options={"include_usage": True})) for i in range(3)]
+        calls += [(f"{srv.url}{CHAT}", srv.api_key, chat),
+                  (f"{srv.url}{CHAT}", srv.api_key, {**chat, "stream": True,
+                                                      "stream_options": {"include_usage": True}})]
+        outs = run_concurrently(calls)
+        os.kill(srv.proc.pid, signal.SIGKILL)  # the instant the last response ended: no graceful anything
+        srv.proc.wait(10)
+    finally:
+        srv.stop()
+    assert [o.status for o in outs] == [200] * len(calls)
+    reported = {o.body["id"]: o.body["usage"] for o in outs}
+    assert len(reported) == len(calls)
+    with store_of(srv) as store:
+        tenant = store.get_tenant("demo")
+        rows = {r.request_id: r for r in store.usage_rows(tenant.id)}
+    assert set(rows) == set(reported)  # exactly these requests: none lost, none doubled, none invented
+    for request_id, usage in reported.items():
+        row = rows[request_id]
+        assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+        assert row.cached_tokens == usage["prompt_tokens_details"]["cached_tokens"] and row.status == "length"
+
+
+@pytest.fixture
+def two_gateways(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[tuple[Server, Server]]:
+    a = start_server(tiny_model_dir, tmp_path / "a.log", "--redis-url", redis_url)
+    try:
+        b = start_server(tiny_model_dir, tmp_path / "b.log", "--redis-url", redis_url, "--no-demo-tenant",
+                         db_path=a.db_path, secret=a.secret)
+        try:
+            yield a, b
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_two_gateways_sharing_redis_enforce_one_limit(two_gateways: tuple[Server, Server],
+                                                      redis_server: RedisServer) -> None:
+    a, b = two_gateways
+    rpm = 10
+    _, key = make_tenant(a, "shared", quota=Quota(rpm=rpm))
+    calls = [(f"{(a, b)[i % 2].url}{COMP}", key, _body(100 + i, 1)) for i in range(4 * rpm)]
+    t0 = time.monotonic()
+    outs = run_concurrently(calls)
+    elapsed = time.monotonic() - t0
+    ok = [i for i, o in enumerate(outs) if o.status == 200]
+    assert all(o.status in (200, 429) for o in outs)
+    # One bucket of `rpm` for both (it refills rpm/60 per second): two separate limits would admit 2 x rpm.
+    assert rpm <= len(ok) <= rpm + elapsed * rpm / 60.0
+    assert {i % 2 for i in ok} == {0, 1}  # both gateways admitted some of them
+    assert all(o.headers["x-ratelimit-limit-requests"] == str(rpm) for o in outs)
+    # Redis down: fail closed, a clear 503 rather than unlimited traffic; back up: served again.
+    redis_server.stop()
+    down = httpx.post(f"{b.url}{COMP}", json=_body(999, 1), headers={"Authorization": f"Bearer {a.api_key}"},
+                      timeout=30)
+    assert down.status_code == 503 and down.json()["error"]["code"] == "rate_limiter_unavailable"
+    assert int(down.headers["retry-after"]) >= 1
+    redis_server.start()
+    deadline = time.monotonic() + 10
+    while True:
+        up = httpx.post(f"{b.url}{COMP}", json=_body(998, 1), headers={"Authorization": f"Bearer {a.api_key}"},
+                        timeout=30)
+        if up.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert up.status_code == 200, up.text
