@@ -193,12 +193,9 @@ class Limiter:
             return len(state.in_flight) if state else 0
 
     def admit(self, request_id: str, scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> Decision:
-        if prompt_tokens < 0 or max_tokens < 0:
-            raise ValueError("prompt_tokens and max_tokens must be >= 0")
-        cost = prompt_tokens + max_tokens
-        never = _never_fits(scopes, prompt_tokens, max_tokens)
+        cost, never = precheck(scopes, prompt_tokens, max_tokens)
         if never is not None:
-            return Decision(False, "never_fits", message=never)
+            return never
         ledger = self._budget_used
         seeds: dict[tuple[str, float], int] = {}
         while True:
@@ -326,6 +323,15 @@ def _budget_transition(current_end: float, end: float, now: float) -> Literal["k
 
 def _levels(state: _ScopeState) -> tuple[float | None, float | None]:
     return (state.requests.level if state.requests else None, state.tokens.level if state.tokens else None)
+
+
+def precheck(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> tuple[int, Decision | None]:
+    """What every backend decides before looking at any counter: the reservation's cost, and the 400 for a
+    request that can never fit (no round trip, no lock)."""
+    if prompt_tokens < 0 or max_tokens < 0:
+        raise ValueError("prompt_tokens and max_tokens must be >= 0")
+    never = _never_fits(scopes, prompt_tokens, max_tokens)
+    return prompt_tokens + max_tokens, None if never is None else Decision(False, "never_fits", message=never)
 
 
 def _never_fits(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> str | None:

@@ -36,7 +36,7 @@ from redis.retry import Retry
 
 from tenancy.limiter import (
     UNAVAILABLE_RETRY_S, WINDOW_S, BudgetUsed, Decision, RateLimitInfo, Scope, _Bucket, _has_budget, _info,
-    _never_fits, budget_denial, concurrency_denial, period_end, period_start, rate_denial)
+    budget_denial, concurrency_denial, period_end, period_start, precheck, rate_denial)
 
 log = logging.getLogger("kvgate.tenancy.redis_limiter")
 
@@ -224,12 +224,9 @@ class RedisLimiter:
         self._down_until: float | None = None  # set during an outage: when to try Redis again
 
     def admit(self, request_id: str, scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int) -> Decision:
-        if prompt_tokens < 0 or max_tokens < 0:
-            raise ValueError("prompt_tokens and max_tokens must be >= 0")
-        cost = prompt_tokens + max_tokens
-        never = _never_fits(scopes, prompt_tokens, max_tokens)
+        cost, never = precheck(scopes, prompt_tokens, max_tokens)
         if never is not None:
-            return Decision(False, "never_fits", message=never)
+            return never
         with self._lock:
             if request_id in self._reservations or request_id in self._pending:
                 raise ValueError(f"request {request_id!r} already holds a reservation")
