@@ -139,10 +139,12 @@ class RequestAccount:
         if self.done:
             return
         self.done = True
+        row = self._row(asm, asm.finish_reason or "stop")
         try:
-            await self._ledger.record(self._row(asm, asm.finish_reason or "stop"))
+            await self._ledger.record(row)
         finally:
             self._gate.settle(self.request_id, self.prompt_tokens + len(asm.token_ids))
+            _log_finished(row)
 
     def end(self, asm: OutputAssembler, status: str) -> None:
         """Any other end (cancelled, failed, timed out, never submitted). Sync: called from ``finally``."""
@@ -150,7 +152,19 @@ class RequestAccount:
             return
         self.done = True
         used = 0
+        row = self._row(asm, status)
         if self.submitted:
-            self._ledger.record_nowait(self._row(asm, status))
+            self._ledger.record_nowait(row)
             used = self.prompt_tokens + len(asm.token_ids)
         self._gate.settle(self.request_id, used)
+        _log_finished(row)
+
+
+def _log_finished(row: UsageRow) -> None:
+    """One line per finished request: ids, status, counts and timings; never prompt or completion text."""
+    log.info("request finished", extra={"fields": {
+        "event": "request_finished", "request_id": row.request_id, "tenant_id": row.tenant_id,
+        "key_id": row.key_id, "model": row.model, "status": row.status, "prompt_tokens": row.prompt_tokens,
+        "cached_tokens": row.cached_tokens, "completion_tokens": row.completion_tokens,
+        "ttft_ms": None if row.ttft_ms is None else round(row.ttft_ms, 1),
+        "latency_ms": None if row.latency_ms is None else round(row.latency_ms, 1)}})

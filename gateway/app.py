@@ -40,6 +40,7 @@ log = logging.getLogger("kvgate.gateway")
 
 VERSION = "0.1.0"
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenizing more than this would stall every other request on the loop
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -146,10 +147,18 @@ def create_app(state: GatewayState) -> QuartTrio:
     @app.after_request
     async def add_ratelimit_headers(response: Response) -> Response:
         headers: dict[str, str] | None = getattr(g, "ratelimit_headers", None)
-        if headers is None and getattr(g, "principal", None) is not None:
-            headers = await ten.quota.headers(g.principal.scopes)
+        principal: Principal | None = getattr(g, "principal", None)
+        if headers is None and principal is not None:
+            headers = await ten.quota.headers(principal.scopes)
         for name, value in (headers or {}).items():
             response.headers.setdefault(name, value)
+        admitted = getattr(g, "ratelimit_headers", None) is not None  # then its account logs its end
+        if response.status_code >= 400 and request.path in GENERATION_ROUTES and not admitted:
+            # Refused before any work (auth, quota, validation): the request-finished line never comes.
+            log.info("request refused", extra={"fields": {
+                "event": "request_refused", "path": request.path, "http_status": response.status_code,
+                "tenant_id": principal.tenant_id if principal else None,
+                "key_id": principal.key_id if principal else None}})
         return response
 
     @app.post("/v1/chat/completions")

@@ -50,6 +50,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="JSON lines (default) or readable text; never prompt or completion text either way")
     return p
 
 
@@ -73,10 +75,10 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
+    from gateway.logs import setup_logging
     from gateway.server import serve
 
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    setup_logging(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
