@@ -21,6 +21,7 @@ import trio
 
 from gateway.auth import Principal
 from gateway.errors import APIError
+from gateway.gateway_metrics import GatewayMetrics
 from gateway.generation import OutputAssembler
 from gateway.ledger import UsageLedger
 from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
@@ -118,13 +119,13 @@ class QuotaGate:
 class RequestAccount:
     """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
 
-    def __init__(self, gate: QuotaGate, ledger: UsageLedger, principal: Principal, request_id: str, model: str,
-                 prompt_tokens: int) -> None:
-        self._gate, self._ledger, self._principal = gate, ledger, principal
+    def __init__(self, gate: QuotaGate, ledger: UsageLedger, metrics: GatewayMetrics, principal: Principal,
+                 request_id: str, model: str, prompt_tokens: int) -> None:
+        self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         self.started_wall = time.time()
         self.started = time.monotonic()
-        self.submitted = False  # a worker got it: from here on every end is billed for what was done
+        self.worker: str | None = None  # set once a worker got it: from then on every end is billed
         self.done = False
 
     def _row(self, asm: OutputAssembler, status: str) -> UsageRow:
@@ -144,7 +145,7 @@ class RequestAccount:
             await self._ledger.record(row)
         finally:
             self._gate.settle(self.request_id, self.prompt_tokens + len(asm.token_ids))
-            _log_finished(row)
+            self._report(row)
 
     def end(self, asm: OutputAssembler, status: str) -> None:
         """Any other end (cancelled, failed, timed out, never submitted). Sync: called from ``finally``."""
@@ -153,11 +154,15 @@ class RequestAccount:
         self.done = True
         used = 0
         row = self._row(asm, status)
-        if self.submitted:
+        if self.worker is not None:
             self._ledger.record_nowait(row)
             used = self.prompt_tokens + len(asm.token_ids)
         self._gate.settle(self.request_id, used)
+        self._report(row)
+
+    def _report(self, row: UsageRow) -> None:
         _log_finished(row)
+        self._metrics.request_finished(row, self._principal.tenant_name, self.worker)
 
 
 def _log_finished(row: UsageRow) -> None:

@@ -24,6 +24,7 @@ from gateway.admission import QuotaGate, RequestAccount
 from gateway.auth import Authenticator, Principal
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, error_body
+from gateway.gateway_metrics import GatewayMetrics
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
 from gateway.http_json import json_response, read_json
@@ -84,9 +85,17 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     ten = state.tenancy
     admin_ops = LocalAdmin(ten.store)
+    gm = GatewayMetrics(cfg.model_name)
 
     async def authorize() -> Principal:
-        principal = await ten.auth.authenticate(request.headers.get("Authorization"), _client_addr())
+        try:
+            principal = await ten.auth.authenticate(request.headers.get("Authorization"), _client_addr())
+        except APIError as e:
+            if e.status == 403:  # the key is fine, its tenant is suspended: a refusal, not a failed login
+                gm.rejected.labels("", e.code or "forbidden").inc()
+            else:
+                gm.auth_failures.labels(e.code or "unknown").inc()
+            raise
         g.principal = principal
         return principal
 
@@ -116,8 +125,13 @@ def create_app(state: GatewayState) -> QuartTrio:
         else:
             req = parse(*args)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids), req.max_tokens)
-        account = RequestAccount(ten.quota, ten.ledger, principal, request_id, cfg.model_name, len(req.prompt_ids))
+        try:
+            g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids), req.max_tokens)
+        except APIError as e:
+            gm.rejected.labels(principal.tenant_name, e.code or "refused").inc()
+            raise
+        account = RequestAccount(ten.quota, ten.ledger, gm, principal, request_id, cfg.model_name,
+                                 len(req.prompt_ids))
         asm = OutputAssembler(tok, req.stop, req.logprobs)
         timeout = cfg.timing.request_timeout
         try:
@@ -129,13 +143,21 @@ def create_app(state: GatewayState) -> QuartTrio:
                 raise failure_to_api_error(e) from None
             raise
         # From here `complete` or the stream producer owns the handle and ends the account on every path.
-        account.submitted = True
+        account.worker = handle.worker_id
         builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
         if not req.stream:
             return json_response(await complete(pool, handle, asm, builder, timeout, account))
         producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
+        async def run_stream() -> None:
+            streams = gm.streams.labels(principal.tenant_name)
+            streams.inc()
+            try:
+                await producer.run()
+            finally:
+                streams.dec()
+
         try:
-            app.nursery.start_soon(producer.run)  # from here the producer owns the handle and the account
+            app.nursery.start_soon(run_stream)  # from here the producer owns the handle and the account
         except BaseException:
             pool.release(handle)
             account.end(asm, "cancelled")
@@ -152,6 +174,8 @@ def create_app(state: GatewayState) -> QuartTrio:
             headers = await ten.quota.headers(principal.scopes)
         for name, value in (headers or {}).items():
             response.headers.setdefault(name, value)
+        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        gm.requests.labels(route, str(response.status_code), principal.tenant_name if principal else "").inc()
         admitted = getattr(g, "ratelimit_headers", None) is not None  # then its account logs its end
         if response.status_code >= 400 and request.path in GENERATION_ROUTES and not admitted:
             # Refused before any work (auth, quota, validation): the request-finished line never comes.
@@ -238,7 +262,7 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(pool, cfg.model_name), content_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(pool, cfg.model_name) + gm.render(), content_type=metrics.CONTENT_TYPE)
 
     app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
 
