@@ -128,8 +128,10 @@ def create_app(state: GatewayState) -> QuartTrio:
         try:
             g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids), req.max_tokens)
         except APIError as e:
+            g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look needed
             gm.rejected.labels(principal.tenant_name, e.code or "refused").inc()
             raise
+        g.admitted = True  # from here the request's account logs its end
         account = RequestAccount(ten.quota, ten.ledger, gm, principal, request_id, cfg.model_name,
                                  len(req.prompt_ids))
         asm = OutputAssembler(tok, req.stop, req.logprobs)
@@ -148,8 +150,11 @@ def create_app(state: GatewayState) -> QuartTrio:
         if not req.stream:
             return json_response(await complete(pool, handle, asm, builder, timeout, account))
         producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
+        return start_stream(producer, principal.tenant_name)
+
+    def start_stream(producer: StreamProducer, tenant: str) -> Response:
         async def run_stream() -> None:
-            streams = gm.streams.labels(principal.tenant_name)
+            streams = gm.streams.labels(tenant)
             streams.inc()
             try:
                 await producer.run()
@@ -159,8 +164,8 @@ def create_app(state: GatewayState) -> QuartTrio:
         try:
             app.nursery.start_soon(run_stream)  # from here the producer owns the handle and the account
         except BaseException:
-            pool.release(handle)
-            account.end(asm, "cancelled")
+            producer.pool.release(producer.handle)
+            producer.account.end(producer.asm, "cancelled")
             raise
         response = Response(producer.body(), status=200, content_type="text/event-stream", headers=SSE_HEADERS)
         response.timeout = None  # Quart's RESPONSE_TIMEOUT would end the stream after 60 s
@@ -176,8 +181,7 @@ def create_app(state: GatewayState) -> QuartTrio:
             response.headers.setdefault(name, value)
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
         gm.requests.labels(route, str(response.status_code), principal.tenant_name if principal else "").inc()
-        admitted = getattr(g, "ratelimit_headers", None) is not None  # then its account logs its end
-        if response.status_code >= 400 and request.path in GENERATION_ROUTES and not admitted:
+        if response.status_code >= 400 and request.path in GENERATION_ROUTES and not getattr(g, "admitted", False):
             # Refused before any work (auth, quota, validation): the request-finished line never comes.
             log.info("request refused", extra={"fields": {
                 "event": "request_refused", "path": request.path, "http_status": response.status_code,
