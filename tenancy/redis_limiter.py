@@ -198,15 +198,21 @@ class RedisLimiter:
 
     def __init__(self, url_or_client: str | redis.Redis, clock: Callable[[], float],
                  budget_used: BudgetUsed | None = None, *, fail_open: bool = False, key_prefix: str = "kvgate:",
-                 lease_s: float = 30.0, timeout_s: float = 0.5) -> None:
-        if lease_s <= 0 or timeout_s <= 0:
-            raise ValueError(f"lease_s and timeout_s must be > 0, got {lease_s} and {timeout_s}")
+                 lease_s: float = 30.0, timeout_s: float = 0.5, max_connections: int = 64,
+                 pool_wait_s: float = 10.0) -> None:
+        if lease_s <= 0 or timeout_s <= 0 or pool_wait_s <= 0 or max_connections < 1:
+            raise ValueError(f"lease_s, timeout_s, pool_wait_s and max_connections must be > 0, got {lease_s}, "
+                             f"{timeout_s}, {pool_wait_s} and {max_connections}")
         if isinstance(url_or_client, str):
             # One quick retry (a pooled connection may be stale after a Redis restart), no backoff: an outage
             # must cost a request at most ~2 x timeout_s, not redis-py's default ten retries.
-            self._client: redis.Redis = redis.Redis.from_url(
-                url_or_client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 1))
+            # A blocking pool: redis-py's default pool raises "Too many connections" past 100, which a burst
+            # of admits would read as an outage (503 for everyone). Waiting for a free connection is not one.
+            pool = redis.BlockingConnectionPool.from_url(
+                url_or_client, max_connections=max_connections, timeout=pool_wait_s,
+                socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+            self._client: redis.Redis = redis.Redis(connection_pool=pool)
+            self._client.auto_close_connection_pool = True
             self._owns_client = True
         else:
             self._client = url_or_client

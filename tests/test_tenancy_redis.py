@@ -198,3 +198,19 @@ def test_every_key_expires(make: MakeRedisLimiter, redis_url: str) -> None:  # n
         assert client.ttl("ttl:bucket:tenant:a") <= 60 + 60  # full again within a minute, plus the margin
     finally:
         client.close()
+
+
+def test_more_callers_than_pooled_connections_wait_instead_of_failing(make: MakeRedisLimiter) -> None:
+    # redis-py's default pool raises "Too many connections" once full; read as an outage that would 503 the
+    # burst (it did in CI with 200 threads). A full pool must make callers wait for a connection.
+    limiter = make(FakeClock(), max_connections=2)
+    scopes = _tenant(rpm=1_000)
+    start = threading.Barrier(40)
+
+    def one(i: int) -> bool:
+        start.wait()
+        return limiter.admit(f"r{i}", scopes, prompt_tokens=1, max_tokens=1).allowed
+
+    with ThreadPoolExecutor(max_workers=40) as pool:
+        assert all(pool.map(one, range(40)))
+    assert limiter.peek(scopes).remaining_requests == 1_000 - 40
