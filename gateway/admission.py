@@ -24,6 +24,7 @@ from gateway.errors import APIError
 from gateway.gateway_metrics import GatewayMetrics
 from gateway.generation import OutputAssembler
 from gateway.ledger import UsageLedger
+from gateway.tracing import RequestTrace
 from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
 from tenancy.models import UsageRow
 
@@ -120,9 +121,11 @@ class RequestAccount:
     """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
 
     def __init__(self, gate: QuotaGate, ledger: UsageLedger, metrics: GatewayMetrics, principal: Principal,
-                 request_id: str, model: str, prompt_tokens: int) -> None:
+                 request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool) -> None:
         self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
+        self._trace = trace
+        trace.admitted(request_id, principal.tenant_id, model, stream)  # the trace's root now waits for our end
         self.started_wall = time.time()
         self.started = time.monotonic()
         self.worker: str | None = None  # set once a worker got it: from then on every end is billed
@@ -145,7 +148,7 @@ class RequestAccount:
             await self._ledger.record(row)
         finally:
             self._gate.settle(self.request_id, self.prompt_tokens + len(asm.token_ids))
-            self._report(row)
+            self._report(row, asm)
 
     def end(self, asm: OutputAssembler, status: str) -> None:
         """Any other end (cancelled, failed, timed out, never submitted). Sync: called from ``finally``."""
@@ -158,11 +161,12 @@ class RequestAccount:
             self._ledger.record_nowait(row)
             used = self.prompt_tokens + len(asm.token_ids)
         self._gate.settle(self.request_id, used)
-        self._report(row)
+        self._report(row, asm)
 
-    def _report(self, row: UsageRow) -> None:
+    def _report(self, row: UsageRow, asm: OutputAssembler) -> None:
         _log_finished(row)
         self._metrics.request_finished(row, self._principal.tenant_name, self.worker)
+        self._trace.request_ended(row, asm, self.worker)
 
 
 def _log_finished(row: UsageRow) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -20,22 +19,20 @@ from werkzeug.exceptions import HTTPException
 
 from gateway import metrics
 from gateway.admin import create_admin_blueprint, op_error
-from gateway.admission import QuotaGate, RequestAccount
-from gateway.auth import Authenticator, Principal
-from gateway.config import GatewayConfig
+from gateway.admission import RequestAccount
+from gateway.auth import Principal
 from gateway.errors import APIError, bad_request, error_body
-from gateway.gateway_metrics import GatewayMetrics
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
 from gateway.http_json import json_response, read_json
-from gateway.ledger import UsageLedger
-from gateway.pool import WorkerPool, unix_deadline
+from gateway.pool import unix_deadline
 from gateway.protocol import GenerationRequest, check_fields, parse_chat, parse_completion
 from gateway.responses import ResponseBuilder
+from gateway.state import GatewayState
 from gateway.streaming import StreamProducer, complete, failure_to_api_error
-from gateway.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
+from gateway.tokenizer import ChatTemplateError, InvalidText
+from gateway.tracing import RequestTrace
 from tenancy.admin_ops import AdminOpError, LocalAdmin
-from tenancy.store import TenancyStore
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -43,25 +40,6 @@ VERSION = "0.1.0"
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenizing more than this would stall every other request on the loop
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
-
-
-@dataclass
-class GatewayState:
-    config: GatewayConfig
-    tokenizer: GatewayTokenizer
-    pool: WorkerPool
-    tenancy: Tenancy
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass
-class Tenancy:
-    """Everything about tenants the routes use; built and run by ``gateway.server``."""
-
-    store: TenancyStore
-    auth: Authenticator
-    quota: QuotaGate
-    ledger: UsageLedger
 
 
 def _api_error_response(e: APIError) -> Response:
@@ -85,7 +63,7 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     ten = state.tenancy
     admin_ops = LocalAdmin(ten.store)
-    gm = GatewayMetrics(cfg.model_name)
+    gm = state.metrics
 
     async def authorize() -> Principal:
         try:
@@ -114,31 +92,57 @@ def create_app(state: GatewayState) -> QuartTrio:
                            code="model_not_allowed", param="model")
 
     async def generate(kind: str) -> Response:
-        principal = await authorize()
-        raw_size = request.content_length or 0
-        body = await read_json()
-        check_model(body, principal)
-        parse = parse_chat if kind == "chat" else parse_completion
-        args = (body, tok, pool.max_model_len, principal.quota.max_tokens_per_request)
-        if raw_size > PARSE_IN_THREAD_BYTES:
-            req: GenerationRequest = await trio.to_thread.run_sync(parse, *args)
-        else:
-            req = parse(*args)
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        """The two generation routes, each request traced from here to its end (see gateway.tracing)."""
+        rt = state.tracing.start_request(request.method, request.path)
+        status: int | None = None  # None: cancelled (the client left before any response)
         try:
-            g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids), req.max_tokens)
-        except APIError as e:
-            g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look needed
-            gm.rejected.labels(principal.tenant_name, e.code or "refused").inc()
+            response = await run_generation(kind, rt)
+            status = response.status_code
+            return response
+        except (APIError, HTTPException) as e:
+            status = e.status if isinstance(e, APIError) else e.code
             raise
+        except Exception:
+            status = 500
+            raise
+        finally:
+            rt.http_done(status)
+
+    async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationRequest, str]:
+        with rt.phase("auth"):
+            principal = await authorize()
+        with rt.phase("tokenize"):
+            raw_size = request.content_length or 0
+            body = await read_json()
+            check_model(body, principal)
+            parse = parse_chat if kind == "chat" else parse_completion
+            args = (body, tok, pool.max_model_len, principal.quota.max_tokens_per_request)
+            if raw_size > PARSE_IN_THREAD_BYTES:
+                req: GenerationRequest = await trio.to_thread.run_sync(parse, *args)
+            else:
+                req = parse(*args)
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        with rt.phase("quota"):
+            try:
+                g.ratelimit_headers = await ten.quota.admit(principal, request_id, len(req.prompt_ids),
+                                                            req.max_tokens)
+            except APIError as e:
+                g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look
+                gm.rejected.labels(principal.tenant_name, e.code or "refused").inc()
+                raise
+        return principal, req, request_id
+
+    async def run_generation(kind: str, rt: RequestTrace) -> Response:
+        principal, req, request_id = await admit(kind, rt)
         g.admitted = True  # from here the request's account logs its end
         account = RequestAccount(ten.quota, ten.ledger, gm, principal, request_id, cfg.model_name,
-                                 len(req.prompt_ids))
+                                 len(req.prompt_ids), rt, req.stream)
         asm = OutputAssembler(tok, req.stop, req.logprobs)
         timeout = cfg.timing.request_timeout
         try:
-            handle = await pool.submit(request_id, req.prompt_ids, req.sampling, principal.cache_salt,
-                                       unix_deadline(timeout), principal.weight)
+            with rt.phase("queue") as span:
+                handle = await pool.submit(request_id, req.prompt_ids, req.sampling, principal.cache_salt,
+                                           unix_deadline(timeout), principal.weight, rt.context_for(span))
         except BaseException as e:
             account.end(asm, "not_submitted")  # gives the reservation back; no ledger row: nothing ran
             if isinstance(e, RequestFailed):
@@ -266,7 +270,8 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(pool, cfg.model_name) + gm.render(), content_type=metrics.CONTENT_TYPE)
+        text = metrics.render(pool, cfg.model_name, cfg.observability.gpu_hour_cost, gm.billed_tokens)
+        return Response(text + gm.render(), content_type=metrics.CONTENT_TYPE)
 
     app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
 

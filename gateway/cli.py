@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -49,6 +48,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    o = p.add_argument_group("observability")
+    o.add_argument("--gpu-hour-cost", type=float, default=None,
+                   help="price of one worker (GPU) per hour; /metrics then shows kvgate:cost_per_1k_tokens")
+    o.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+                   help="send OpenTelemetry traces over OTLP/HTTP to this URL (default: "
+                        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no traces leave the process)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="json", choices=["json", "text"],
                    help="JSON lines (default) or readable text; never prompt or completion text either way")
@@ -56,7 +61,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
-    from gateway.config import AdmissionConfig, EngineArgs, GatewayConfig, TenancyConfig, TimingConfig
+    from gateway.config import (AdmissionConfig, EngineArgs, GatewayConfig, ObservabilityConfig, TenancyConfig,
+                                TimingConfig)
 
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
@@ -69,7 +75,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                           a.max_num_batched_tokens),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
-                            sse_ping_interval=a.sse_ping_interval))
+                            sse_ping_interval=a.sse_ping_interval),
+        observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -92,6 +92,18 @@ class TenancyConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    gpu_hour_cost: float | None = None  # price of one worker (a GPU) for an hour; turned into cost per 1k tokens
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces); None: off
+
+    def __post_init__(self) -> None:
+        if self.gpu_hour_cost is not None and not 0 <= self.gpu_hour_cost < float("inf"):
+            raise ValueError(f"--gpu-hour-cost must be a finite number >= 0, got {self.gpu_hour_cost}")
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     model: str = "smollm2"
     served_model_name: str | None = None
@@ -104,6 +116,7 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

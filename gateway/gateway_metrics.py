@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from ipc.messages import EngineTimings
 from tenancy.models import UsageRow
 
 # The *_created series double the exposition, and no vLLM dashboard reads them.
@@ -21,12 +22,16 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED = ("stop", "length", "abort")  # vLLM's finished_reason values; anything else counts as abort
 
 
 class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.billed_tokens = 0  # prompt + completion of every ended request (the denominator of cost per token)
         r = self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("kvgate:requests", "HTTP requests by route template, status and tenant.",
                                 ["route", "status", "tenant"], registry=r)
@@ -50,19 +55,65 @@ class GatewayMetrics:
                                        buckets=TOKEN_BUCKETS, registry=r)
         self.generation_tokens = Histogram("vllm:request_generation_tokens", "Number of generation tokens "
                                            "processed.", labels, buckets=TOKEN_BUCKETS, registry=r)
+        self.restarts = Counter("kvgate:worker_restarts", "Worker processes restarted by the supervisor.",
+                                ["model_name", "worker"], registry=r)
+        self._engine_histograms(labels)
+
+    def _engine_histograms(self, labels: list[str]) -> None:
+        """Measured by the worker's engine (queue, prefill, decode, iterations) or between its outputs as they
+        reach the gateway (inter-token latency, as vLLM's frontend measures it)."""
+        r = self.registry
+
+        def latency(name: str, help_: str) -> Histogram:
+            return Histogram(name, help_, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.queue_time = latency("vllm:request_queue_time_seconds",
+                                  "Histogram of time spent in WAITING phase for request.")
+        self.prefill_time = latency("vllm:request_prefill_time_seconds",
+                                    "Histogram of time spent in PREFILL phase for request.")
+        self.decode_time = latency("vllm:request_decode_time_seconds",
+                                   "Histogram of time spent in DECODE phase for request.")
+        self.inference_time = latency("vllm:request_inference_time_seconds",
+                                      "Histogram of time spent in RUNNING phase for request.")
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", labels, buckets=ITERATION_BUCKETS, registry=r)
+
+    # ---- PoolObserver: called from the pool's receive loop ------------------------------------------------
+
+    def iteration(self, worker_id: str, num_batched_tokens: int) -> None:
+        self.iteration_tokens.labels(self.model_name, worker_id).observe(num_batched_tokens)
+
+    def inter_token(self, worker_id: str, seconds: float) -> None:
+        self.itl.labels(self.model_name, worker_id).observe(seconds)
+
+    def engine_finished(self, worker_id: str, t: EngineTimings) -> None:
+        """vLLM's phases: queue = arrival to first scheduled; prefill = scheduled to first token; decode =
+        first token to the end; inference = scheduled to the end. A request that never ran has only a queue."""
+        w = (self.model_name, worker_id)
+        if t.scheduled is None:
+            self.queue_time.labels(*w).observe(t.finished)
+            return
+        self.queue_time.labels(*w).observe(t.scheduled)
+        self.inference_time.labels(*w).observe(t.finished - t.scheduled)
+        if t.first_token is not None:
+            self.prefill_time.labels(*w).observe(t.first_token - t.scheduled)
+            self.decode_time.labels(*w).observe(t.finished - t.first_token)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
     def request_finished(self, row: UsageRow, tenant: str, worker: str | None) -> None:
         """One request ended on any path (``row`` is its ledger row)."""
-        self.tokens.labels(tenant, "prompt").inc(row.prompt_tokens)
-        self.tokens.labels(tenant, "cached").inc(row.cached_tokens)
-        self.tokens.labels(tenant, "completion").inc(row.completion_tokens)
         if row.status == "cancelled":
             self.cancellations.labels(tenant).inc()
         if worker is None:
-            return  # never reached a worker: no engine-side request to describe
+            return  # never reached a worker: nothing billed, no engine-side request to describe
+        self.tokens.labels(tenant, "prompt").inc(row.prompt_tokens)
+        self.tokens.labels(tenant, "cached").inc(row.cached_tokens)
+        self.tokens.labels(tenant, "completion").inc(row.completion_tokens)
+        self.billed_tokens += row.prompt_tokens + row.completion_tokens
         w = (self.model_name, worker)
         reason = row.status if row.status in FINISHED else "abort"
         self.success.labels(*w, reason).inc()

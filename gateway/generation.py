@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.tokenizer import GatewayTokenizer
-from ipc.messages import RequestOutputMsg, TokenLogprobs
+from ipc.messages import EngineTimings, RequestOutputMsg, TokenLogprobs
 from workers.detokenizer import IncrementalDetokenizer
 
 
@@ -48,6 +48,8 @@ class OutputAssembler:
         self.first_token_at: float | None = None  # time.monotonic() when the first token arrived
         self.finish_reason: str | None = None
         self.hit_stop_string = False  # the worker still runs the request: the caller must abort it
+        self.engine_timings: EngineTimings | None = None  # from the worker's last output, when it came
+        self.engine_timings_at: float | None = None  # time.monotonic() when it came
 
     @property
     def finished(self) -> bool:
@@ -58,6 +60,8 @@ class OutputAssembler:
             return Delta("", [], None, None)
         if out.new_token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if out.timings is not None:
+            self.engine_timings, self.engine_timings_at = out.timings, time.monotonic()
         self.token_ids.extend(out.new_token_ids)
         new_logprobs = list(out.logprobs) if self._want_logprobs and out.logprobs else None
         if new_logprobs:

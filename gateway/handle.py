@@ -29,6 +29,7 @@ class RequestHandle:
         self.started = trio.current_time()
         self.finished = False  # the worker sent a finish_reason (its KV blocks are already free)
         self.released = False  # the pool no longer routes outputs here
+        self.last_token_at: float | None = None  # trio time the last token-bearing output arrived (for ITL)
         self._pending: list[RequestOutputMsg] = []
         self._failure: RequestFailed | None = None
         self._event = trio.Event()
@@ -62,6 +63,9 @@ class RequestHandle:
             self._event = trio.Event()
         outs, self._pending = self._pending, []
         return outs
+
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     def has_pending(self) -> bool:
         return bool(self._pending) or self._failure is not None

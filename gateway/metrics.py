@@ -1,15 +1,17 @@
 """``/metrics`` in the Prometheus text format, with vLLM's metric names where they exist.
 
 Per-worker series (label ``worker``) come from each live worker's last Stats heartbeat, so a worker that
-died disappears from the exposition instead of reporting stale numbers. The full set of metrics comes with
-the observability issue; these are the ones routing and the tests need.
+died disappears from the exposition instead of reporting stale numbers. Below them: the pool's own state (IPC
+backlogs, worker time) and, with ``--gpu-hour-cost``, what a token costs. The gateway's per-tenant and
+per-request metrics are in ``gateway.gateway_metrics``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.pool import WorkerPool, WorkerState
+from gateway.pool import WorkerPool
+from gateway.worker_state import WorkerState
 from ipc.messages import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,7 +43,19 @@ def _num(x: float) -> str:
     return repr(float(x)) if isinstance(x, float) else str(x)
 
 
-def render(pool: WorkerPool, model_name: str) -> str:
+def _cost(model_name: str, worker_seconds: float, gpu_hour_cost: float, billed_tokens: int) -> list[str]:
+    """A price per worker-hour (one worker per GPU) over everything billed since the gateway started. For a
+    window, dashboards divide increases: increase(kvgate:gpu_cost_total) / increase(kvgate:tokens_total)."""
+    cost = worker_seconds / 3600.0 * gpu_hour_cost
+    per_1k = cost / (billed_tokens / 1000.0) if billed_tokens else float("nan")
+    m = _labels(model_name=model_name)
+    return ["# HELP kvgate:gpu_cost_total Worker (GPU) time used since start, priced at --gpu-hour-cost.",
+            "# TYPE kvgate:gpu_cost_total counter", f"kvgate:gpu_cost_total{m} {_num(cost)}",
+            "# HELP kvgate:cost_per_1k_tokens Cost of worker time per 1000 billed tokens (prompt + completion).",
+            "# TYPE kvgate:cost_per_1k_tokens gauge", f"kvgate:cost_per_1k_tokens{m} {_num(per_1k)}"]
+
+
+def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None, billed_tokens: int = 0) -> str:
     lines: list[str] = []
     workers: list[WorkerState] = sorted(pool.workers.values(), key=lambda w: w.worker_id)
     for name, kind, help_, get in _WORKER_METRICS:
@@ -57,4 +71,19 @@ def render(pool: WorkerPool, model_name: str) -> str:
     for w in workers:
         lines.append(f"kvgate:gateway_requests_in_flight{_labels(model_name=model_name, worker=w.worker_id)} "
                      f"{len(w.requests)}")
+    aborts = pool.pending_aborts()
+    lines += ["# HELP kvgate:ipc_pending_outputs Worker outputs received but not yet taken by their clients.",
+              "# TYPE kvgate:ipc_pending_outputs gauge"]
+    lines += [f"kvgate:ipc_pending_outputs{_labels(model_name=model_name, worker=w.worker_id)} "
+              f"{w.pending_outputs()}" for w in workers]
+    lines += ["# HELP kvgate:ipc_pending_aborts Aborts queued for a worker and not yet sent.",
+              "# TYPE kvgate:ipc_pending_aborts gauge"]
+    lines += [f"kvgate:ipc_pending_aborts{_labels(model_name=model_name, worker=w.worker_id)} "
+              f"{aborts.get(w.worker_id, 0)}" for w in workers]
+    worker_seconds = pool.worker_seconds()
+    lines += ["# HELP kvgate:worker_seconds_total Time workers have been live on this gateway.",
+              "# TYPE kvgate:worker_seconds_total counter",
+              f"kvgate:worker_seconds_total{_labels(model_name=model_name)} {_num(worker_seconds)}"]
+    if gpu_hour_cost is not None:
+        lines += _cost(model_name, worker_seconds, gpu_hour_cost, billed_tokens)
     return "\n".join(lines) + "\n"

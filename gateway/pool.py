@@ -16,14 +16,14 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.errors import unavailable
 from gateway.handle import RequestFailed, RequestHandle
-from gateway.routing import Router, WorkerLoad, prefix_keys
+from gateway.routing import Router, prefix_keys
+from gateway.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, GatewayToWorker, Generate, Goodbye, Hello, RequestError, SamplingValue,
                           Shutdown, Stats, StepOutputs, WorkerToGateway)
 from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_send
@@ -34,34 +34,10 @@ MONITOR_INTERVAL_S = 0.25
 _EWMA_ALPHA = 0.2  # weight of the newest request duration in the service-time average
 
 
-@dataclass
-class WorkerState:
-    hello: Hello
-    identity: bytes
-    last_seen: float  # trio clock
-    stats: Stats | None = None
-    requests: dict[str, RequestHandle] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    service_time: float | None = None  # EWMA of request durations (s); drives retry-after
-
-    @property
-    def worker_id(self) -> str:
-        return self.hello.worker_id
-
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, len(self.requests), self.prompt_tokens,
-                          self.stats.kv_usage if self.stats else 0.0)
-
-    def slot_eta(self) -> float:
-        """Seconds until one of this worker's requests is likely to finish (frees an admission slot)."""
-        if self.service_time is None:
-            return 1.0
-        return self.service_time / max(1, len(self.requests))
-
-
 class WorkerPool:
     def __init__(self, sock: TrioZmqSocket, model_name: str, timing: TimingConfig, admission: AdmissionConfig,
-                 restart_eta: Callable[[], float | None] = lambda: None) -> None:
+                 restart_eta: Callable[[], float | None] = lambda: None,
+                 observer: PoolObserver | None = None) -> None:
         self._sock = sock
         self.model_name = model_name
         self.timing = timing
@@ -76,6 +52,8 @@ class WorkerPool:
         self._exited_pids: set[int] = set()  # local workers whose process is gone: never revive those
         self._refused: set[str] = set()  # worker ids already warned about (wrong model)
         self.hello_times: dict[int, float] = {}  # pid -> trio time of its first Hello (the supervisor pops it)
+        self.observer: PoolObserver = observer or NoObserver()
+        self._retired_worker_seconds = 0.0  # live time of workers that are gone
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -110,6 +88,15 @@ class WorkerPool:
     def num_inflight(self) -> int:
         return len(self._requests)
 
+    def worker_seconds(self) -> float:
+        """Total time workers have been live on this gateway (what a price per GPU-hour is charged on)."""
+        now = trio.current_time()
+        return self._retired_worker_seconds + sum(now - w.joined for w in self.workers.values())
+
+    def pending_aborts(self) -> dict[str, int]:
+        """Abort frames queued per worker, not yet sent (the gateway -> worker IPC backlog)."""
+        return {wid: len(ids) for wid, ids in self._aborts.items()}
+
     def retry_after(self) -> float:
         """An honest estimate of when a refused request could be admitted."""
         if not self.workers:
@@ -120,7 +107,8 @@ class WorkerPool:
     # ---- requests -------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: dict[str, SamplingValue],
-                     cache_salt: str | None, deadline: float | None, weight: float = 1.0) -> RequestHandle:
+                     cache_salt: str | None, deadline: float | None, weight: float = 1.0,
+                     trace_context: dict[str, str] | None = None) -> RequestHandle:
         """Pick a worker and send it the request. Raises APIError(503) when no worker can take it."""
         if not self.workers:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
@@ -133,7 +121,7 @@ class WorkerPool:
         self._requests[request_id] = handle
         w.requests[request_id] = handle
         w.prompt_tokens += len(prompt_ids)
-        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, None)
+        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None)
         try:
             await self._send(w, msg)
         except BaseException:  # cancelled or failed: maybe sent, maybe not; Abort is idempotent either way
@@ -223,18 +211,29 @@ class WorkerPool:
         if isinstance(msg, Stats):
             w.stats = msg
         elif isinstance(msg, StepOutputs):
-            for out in msg.outputs:
-                h = w.requests.get(out.request_id)
-                if h is not None:
-                    h.push(out)
-                elif out.finish_reason is None:
-                    self._queue_abort(wid, out.request_id)  # nobody waits for it: free its KV
+            self._on_step(w, msg)
         elif isinstance(msg, RequestError):
             h = w.requests.get(msg.request_id)
             if h is not None:
                 h.fail(msg.code, msg.message)
         elif isinstance(msg, Goodbye):
             self._mark_dead(w, f"said goodbye ({msg.reason})")
+
+    def _on_step(self, w: WorkerState, msg: StepOutputs) -> None:
+        now = trio.current_time()
+        self.observer.iteration(w.worker_id, msg.num_batched_tokens)
+        for out in msg.outputs:
+            if out.timings is not None:  # also for requests nobody waits for: queue/prefill/decode are real
+                self.observer.engine_finished(w.worker_id, out.timings)
+            h = w.requests.get(out.request_id)
+            if h is not None:
+                if out.new_token_ids:
+                    if h.last_token_at is not None:
+                        self.observer.inter_token(w.worker_id, now - h.last_token_at)
+                    h.last_token_at = now
+                h.push(out)
+            elif out.finish_reason is None:
+                self._queue_abort(w.worker_id, out.request_id)  # nobody waits for it: free its KV
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         if identity != hello.worker_id.encode():
@@ -255,7 +254,7 @@ class WorkerPool:
         self._known_hellos[hello.worker_id] = hello
         if len(self.hello_times) < 1024:  # bounded: external workers' pids are never popped
             self.hello_times.setdefault(hello.pid, trio.current_time())
-        self.workers[hello.worker_id] = WorkerState(hello, identity, trio.current_time())
+        self.workers[hello.worker_id] = WorkerState(hello, identity, trio.current_time(), trio.current_time())
         log.info("worker %s ready (pid %d, max_model_len %d, %d KV blocks of %d)", hello.worker_id, hello.pid,
                  hello.max_model_len, hello.num_kv_blocks, hello.block_size)
 
@@ -267,7 +266,7 @@ class WorkerPool:
         if hello is None or hello.pid in self._exited_pids or not isinstance(msg, (Stats, StepOutputs)):
             return None
         log.warning("worker %s is talking again; taking it back", wid)
-        w = WorkerState(hello, identity, trio.current_time())
+        w = WorkerState(hello, identity, trio.current_time(), trio.current_time())
         self.workers[wid] = w
         return w
 
@@ -275,6 +274,7 @@ class WorkerPool:
         if self.workers.get(w.worker_id) is not w:
             return
         del self.workers[w.worker_id]
+        self._retired_worker_seconds += trio.current_time() - w.joined
         self.router.forget_worker(w.worker_id)
         log.warning("worker %s lost (%s); failing %d in-flight requests", w.worker_id, reason, len(w.requests))
         for h in w.requests.values():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hypercorn.trio
 import trio
@@ -19,17 +19,23 @@ import zmq
 from hypercorn.config import Config as HyperConfig
 
 from gateway.admission import QuotaGate
-from gateway.app import GatewayState, Tenancy, create_app
+from gateway.app import create_app
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig, TenancyConfig
+from gateway.gateway_metrics import GatewayMetrics
 from gateway.ledger import UsageLedger
 from gateway.pool import WorkerPool
+from gateway.state import GatewayState, Tenancy
 from gateway.supervisor import Supervisor
 from gateway.tokenizer import GatewayTokenizer, resolve_model_dir
+from gateway.tracing import Tracing
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret
 from tenancy.store import TenancyStore, open_store
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("kvgate.gateway.server")
 
@@ -90,8 +96,10 @@ def _create_demo_tenant(store: TenancyStore, db_path: str) -> None:
     log.info("created tenant 'demo' with key %s on an empty store", key_id)
 
 
-async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
+async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporter: SpanExporter | None = None,
                 task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the gateway until a signal (or ``task_status``'s "stop" event). ``span_exporter`` receives every
+    span as it ends, besides the configured OTLP endpoint (embedders and tests)."""
     # Resolving may convert a GGUF in a subprocess (minutes, once): keep the event loop free meanwhile.
     model_dir = await trio.to_thread.run_sync(resolve_model_dir, cfg.model)
     tokenizer = await trio.to_thread.run_sync(GatewayTokenizer, model_dir)
@@ -99,6 +107,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
     ctx: zmq.Context[Any] = zmq.Context()
     sock, zmq_addr = gateway_router(ctx, cfg.zmq_bind)
     supervisor: Supervisor | None = None
+    tracing = Tracing(cfg.observability.otlp_endpoint, span_exporter)
     try:
         async with trio.open_nursery() as outer:
             tenancy = Tenancy(store, Authenticator(store, secret, ttl=cfg.tenancy.auth_cache_ttl,
@@ -106,14 +115,16 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
                               QuotaGate(limiter), UsageLedger(store.record_usage))
             await outer.start(tenancy.ledger.run)  # first in, last out: rows of ending requests still land
             await outer.start(tenancy.quota.run)
+            gm = GatewayMetrics(cfg.model_name)
             pool = WorkerPool(sock, cfg.model_name, cfg.timing, cfg.admission,
-                              lambda: supervisor.restart_eta() if supervisor is not None else None)
+                              lambda: supervisor.restart_eta() if supervisor is not None else None, gm)
             await outer.start(pool.run)
             if cfg.workers:
                 supervisor = Supervisor(pool, cfg.workers, zmq_addr, model_dir, cfg.model_name, cfg.engine,
-                                        cfg.timing)
+                                        cfg.timing, on_restart=lambda wid: gm.restarts.labels(cfg.model_name,
+                                                                                              wid).inc())
                 await outer.start(supervisor.run)
-            app = create_app(GatewayState(cfg, tokenizer, pool, tenancy))
+            app = create_app(GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing))
             stop = trio.Event()
             async with trio.open_nursery() as http:
                 if handle_signals:
@@ -132,6 +143,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True,
                 await pool.shutdown_workers(supervisor.worker_ids() if supervisor is not None else set())
             outer.cancel_scope.cancel()  # the supervisor terminates its workers in shielded cleanup
     finally:
+        tracing.shutdown()
         sock.close()
         ctx.term()
         limiter.close()

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -65,8 +66,10 @@ async def wait_process(proc: subprocess.Popen[bytes]) -> int:
 
 class Supervisor:
     def __init__(self, pool: WorkerPool, count: int, connect: str, model: str | Path, served_model_name: str,
-                 engine: EngineArgs, timing: TimingConfig, python: str = sys.executable) -> None:
+                 engine: EngineArgs, timing: TimingConfig, python: str = sys.executable,
+                 on_restart: Callable[[str], None] = lambda worker_id: None) -> None:
         self._pool = pool
+        self._on_restart = on_restart  # counts restarts (metrics); called before each backoff
         self._count = count
         self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
                           "--served-model-name", served_model_name, "--parent-pid", str(os.getpid()),
@@ -108,6 +111,7 @@ class Supervisor:
             delay = min(self._timing.restart_backoff_max, self._timing.restart_backoff_initial * 2 ** failures)
             failures += 1
             log.warning("worker %s exited with %s; restarting in %.1fs", worker_id, rc, delay)
+            self._on_restart(worker_id)
             self._next_start[slot] = trio.current_time() + delay
             await trio.sleep(delay)
 

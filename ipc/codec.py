@@ -1,7 +1,8 @@
 """msgpack codec for ``ipc.messages`` (never pickle).
 
 A frame is one msgpack array: ``[tag, field_1, ..., field_n]`` with the fields in dataclass declaration order.
-A nested ``RequestOutputMsg`` is a plain array of its fields (no tag: its position already says what it is).
+Nested values (``RequestOutputMsg``, ``EngineTimings``) are plain arrays of their fields (no tag: their position
+already says what they are).
 
 Decoding trusts nothing: every frame comes off a socket any process on the network may write to. It checks
 the tag, the arity and the type of every field down to list elements (``bool`` is not accepted as ``int``),
@@ -22,6 +23,7 @@ from ipc.messages import (
     PROTOCOL_VERSION,
     Abort,
     Drain,
+    EngineTimings,
     Generate,
     Goodbye,
     Hello,
@@ -153,6 +155,10 @@ def _token_logprobs(v: object, where: str) -> TokenLogprobs:
     return _float(sampled, f"{where}[0]"), _list(_top_logprob)(top, f"{where}[1]")
 
 
+def _engine_timings(v: object, where: str) -> EngineTimings:
+    return EngineTimings(*_decode_fields(_TIMINGS_SPEC, _array(v, where), where))
+
+
 def _request_output(v: object, where: str) -> RequestOutputMsg:
     return RequestOutputMsg(*_decode_fields(_OUTPUT_SPEC, _array(v, where), where))
 
@@ -177,9 +183,14 @@ def _spec(tag: int, cls: type[Any], decoders: tuple[FieldDecoder, ...]) -> _Spec
     return _Spec(tag, cls, names, decoders)
 
 
-_OUTPUT_SPEC: Final = _spec(  # tag 0 is unused: a nested output is never a frame of its own
-    0, RequestOutputMsg, (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str))
+# Tag 0 is unused: nested values are never frames of their own.
+_TIMINGS_SPEC: Final = _spec(0, EngineTimings, (_opt(_float), _opt(_float), _float, _list(_float)))
+_OUTPUT_SPEC: Final = _spec(
+    0, RequestOutputMsg,
+    (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings))
 )
+_NESTED: Final[Mapping[type[Any], _Spec]] = MappingProxyType({EngineTimings: _TIMINGS_SPEC,
+                                                              RequestOutputMsg: _OUTPUT_SPEC})
 
 # Tags are small ints so a frame's first byte says what it is: 1.. gateway->worker, 16.. worker->gateway.
 # Never reuse or renumber a tag; retire it and bump PROTOCOL_VERSION instead.
@@ -189,7 +200,7 @@ _SPECS: Final[tuple[_Spec, ...]] = (
     _spec(3, Drain, ()),
     _spec(4, Shutdown, ()),
     _spec(16, Hello, (_int, _str, _int, _str, _int, _int, _int, _int, _int_list)),
-    _spec(17, StepOutputs, (_list(_request_output),)),
+    _spec(17, StepOutputs, (_list(_request_output), _int)),
     _spec(18, Stats, (_str, _int, _int, _float, _int, _int, _int, _int, _int, _int, _int, _float)),
     _spec(19, RequestError, (_str, _str, _str)),
     _spec(20, Goodbye, (_str, _str)),
@@ -212,10 +223,11 @@ def _decode_fields(spec: _Spec, values: list[object], where: str) -> list[Any]:
 
 
 def _pack_default(obj: object) -> object:
-    # msgpack calls this for types it does not know; the only nested dataclass on the wire is
-    # RequestOutputMsg, which travels as a plain array of its fields.
-    if type(obj) is RequestOutputMsg:
-        return [getattr(obj, name) for name in _OUTPUT_SPEC.names]
+    # msgpack calls this for types it does not know; nested dataclasses (RequestOutputMsg, EngineTimings)
+    # travel as plain arrays of their fields.
+    spec = _NESTED.get(type(obj))
+    if spec is not None:
+        return [getattr(obj, name) for name in spec.names]
     raise TypeError(f"cannot encode {type(obj).__name__} in an ipc message")
 
 

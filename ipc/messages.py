@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens
 
 # The engine's sampling parameters as plain values: scalars (None, bool, int, float, str) or flat lists of
 # scalars (e.g. stop_token_ids). The worker rebuilds its SamplingParams from it; ipc stays engine-agnostic.
@@ -78,6 +78,17 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTimings:
+    """Where a finished request spent its time on the worker, in seconds since it arrived there. Offsets on the
+    worker's clock, so the gateway can place them on its own timeline without the two clocks agreeing."""
+
+    scheduled: float | None  # first admitted to a batch (queue time); None if it never ran
+    first_token: float | None  # prefill ends here
+    finished: float
+    preempted: list[float]  # one offset per preemption
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutputMsg:
     """What one request produced in one engine step (an element of StepOutputs, not a frame of its own)."""
 
@@ -87,6 +98,7 @@ class RequestOutputMsg:
     num_cached_tokens: int  # prompt tokens served from the prefix cache (for usage accounting)
     logprobs: list[TokenLogprobs] | None  # one entry per new token when requested
     error: str | None
+    timings: EngineTimings | None  # on the request's last output only
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,7 @@ class StepOutputs:
     """All request outputs of one engine step, batched into one frame to keep per-token overhead low."""
 
     outputs: list[RequestOutputMsg]
+    num_batched_tokens: int  # tokens the step computed (prompt chunks and decodes), for iteration metrics
 
 
 @dataclass(frozen=True, slots=True)

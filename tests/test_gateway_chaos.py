@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_gateway_support import (MODEL, Server, alive, start_server, tiny_model_dir,  # noqa: F401
                                         wait_idle)
@@ -69,9 +70,16 @@ def test_admission_bound_answers_503_with_retry_after(chaos_server: Server) -> N
     wait_idle(srv, within=1.0)
 
 
+def _restarts(srv: Server) -> float:
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kvgate:worker_restarts_total" and s.labels.get("worker") == "w0")
+
+
 def test_worker_sigkill_mid_stream_ends_with_error_then_recovers(chaos_server: Server) -> None:
     srv = chaos_server
     [pid] = srv.worker_pids()
+    restarts_before = _restarts(srv)
     with httpx.stream("POST", f"{srv.url}/v1/completions", json=_long_stream_body(), headers=srv.headers,
                       timeout=30) as r:
         assert r.status_code == 200
@@ -94,6 +102,7 @@ def test_worker_sigkill_mid_stream_ends_with_error_then_recovers(chaos_server: S
         assert time.monotonic() < deadline, srv.log()[-3000:]
         time.sleep(0.1)
     assert srv.worker_pids() and srv.worker_pids()[0] != pid
+    assert _restarts(srv) == restarts_before + 1
     r2 = httpx.post(f"{srv.url}/v1/completions", headers=srv.headers, timeout=30,
                     json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
     assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] >= 1

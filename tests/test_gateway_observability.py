@@ -26,7 +26,7 @@ CANARY = "zebra-canary-7f3a9c"
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "gateway.log")
+    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "gateway.log", "--gpu-hour-cost", "2.5")
     yield s
     s.stop()
 
@@ -114,3 +114,48 @@ def test_metrics_move_by_exactly_a_known_workload(srv: Server) -> None:
     assert delta("vllm:e2e_request_latency_seconds_count", **w) == 5
     assert delta("vllm:request_generation_tokens_sum", **w) == 5 * 4
     assert delta("vllm:request_prompt_tokens_sum", **w) == 5 * 10
+
+
+def test_engine_histograms_and_pool_gauges_follow_a_known_workload(srv: Server) -> None:
+    """Sequential requests on one worker: every step is one request's, so the engine-side counts are exact."""
+    _, key = make_tenant(srv, "metrics-engine")
+    before = _samples(srv)
+    body = {"model": MODEL, "prompt": list(range(200, 210)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for stream in (False, False, True):
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": stream}, timeout=30,
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+    after = _samples(srv)
+
+    def delta(name: str) -> float:
+        return _value(after, name, model_name=MODEL, worker="w0") - _value(before, name, model_name=MODEL,
+                                                                          worker="w0")
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+    # The worker's phases of a request lie inside the latency the gateway measured around it.
+    engine_s = sum(delta(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
+    assert 0 < engine_s <= delta("vllm:e2e_request_latency_seconds_sum")
+    assert delta("vllm:request_decode_time_seconds_sum") > 0
+    # 4 tokens each: one step prefills 10 prompt tokens and samples the first, three decode one token each.
+    assert delta("vllm:iteration_tokens_total_count") == 3 * 4
+    assert delta("vllm:iteration_tokens_total_sum") == 3 * (10 + 3)
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3  # gaps between 4 tokens
+    assert delta("vllm:inter_token_latency_seconds_sum") > 0
+    assert _value(after, "kvgate:ipc_pending_outputs", worker="w0") == 0
+    assert _value(after, "kvgate:ipc_pending_aborts", worker="w0") == 0
+
+
+def test_cost_per_1k_tokens_is_worker_time_at_the_configured_price_over_billed_tokens(srv: Server) -> None:
+    _, key = make_tenant(srv, "metrics-cost")
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                   json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200
+    s = _samples(srv)
+    worker_s = _value(s, "kvgate:worker_seconds_total", model_name=MODEL)
+    assert worker_s > 0
+    cost = _value(s, "kvgate:gpu_cost_total", model_name=MODEL)
+    assert cost == pytest.approx(worker_s / 3600 * 2.5)
+    billed = _value(s, "kvgate:tokens_total", kind="prompt") + _value(s, "kvgate:tokens_total", kind="completion")
+    assert billed >= r.json()["usage"]["total_tokens"]
+    assert _value(s, "kvgate:cost_per_1k_tokens", model_name=MODEL) == pytest.approx(cost / (billed / 1000))

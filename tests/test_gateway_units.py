@@ -39,7 +39,7 @@ class _FakeTok:
 
 
 def _out(text: str, finish: str | None = None) -> RequestOutputMsg:
-    return RequestOutputMsg("r", [ord(c) for c in text], finish, 0, None, None)
+    return RequestOutputMsg("r", [ord(c) for c in text], finish, 0, None, None, None)
 
 
 def test_chat_template_matches_transformers(tok: GatewayTokenizer) -> None:

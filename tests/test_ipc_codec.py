@@ -14,6 +14,7 @@ from ipc.messages import (
     PROTOCOL_VERSION,
     Abort,
     Drain,
+    EngineTimings,
     Generate,
     Goodbye,
     Hello,
@@ -42,6 +43,7 @@ OUTPUT = RequestOutputMsg(
     num_cached_tokens=16,
     logprobs=[(-0.1, [(42, -0.1), (7, -2.5)]), (-math.inf, [])],
     error=None,
+    timings=EngineTimings(scheduled=0.25, first_token=0.5, finished=1.75, preempted=[0.75, 1.0]),
 )
 HELLO = Hello(PROTOCOL_VERSION, "worker-0", 1234, "SmolLM2-135M-Instruct", 2048, 16, 4096, 49152, [2])
 STATS = Stats("worker-0", 3, 1, 0.25, 3072, 4096, 2, 10, 7, 1000, 500, 1_700_000_000.5)
@@ -54,8 +56,9 @@ SAMPLES: list[Message] = [
     Drain(),
     Shutdown(),
     HELLO,
-    StepOutputs([OUTPUT, RequestOutputMsg("req-2", [], None, 0, None, "engine failed")]),
-    StepOutputs([]),
+    StepOutputs([OUTPUT, RequestOutputMsg("req-2", [], None, 0, None, "engine failed", None)], 48),
+    StepOutputs([RequestOutputMsg("r", [], "abort", 0, None, None, EngineTimings(None, None, 0.0, []))], 0),
+    StepOutputs([], 512),  # a prefill chunk that sampled nothing
     STATS,
     RequestError("req-3", "prompt is longer than max_model_len", "prompt_too_long"),
     Goodbye("worker-0", "drained ✓"),
@@ -90,7 +93,7 @@ def test_every_message_type_is_sampled() -> None:
     import ipc.messages as messages
 
     wire_types = {obj for obj in vars(messages).values()
-                  if dataclasses.is_dataclass(obj) and obj is not RequestOutputMsg}
+                  if dataclasses.is_dataclass(obj) and obj not in (RequestOutputMsg, EngineTimings)}
     assert wire_types == {type(m) for m in SAMPLES}
 
 
@@ -99,7 +102,7 @@ def test_frame_layout_is_tag_then_fields_in_order() -> None:
     assert type(frame[0]) is int and frame[1:] == ["w", "bye"]
     tags = {_frame(m)[0] for m in SAMPLES}
     assert len(tags) == len({type(m) for m in SAMPLES})  # one distinct tag per type
-    assert _frame(StepOutputs([OUTPUT]))[1][0][:2] == ["req-1", [42, 43]]  # nested output: plain array
+    assert _frame(StepOutputs([OUTPUT], 1))[1][0][:2] == ["req-1", [42, 43]]  # nested output: plain array
 
 
 def test_int_accepted_for_float_field_and_normalised() -> None:
@@ -133,7 +136,7 @@ def _with(msg: Message, index: int, value: object) -> bytes:
 def _gen_output(**changes: object) -> bytes:
     """A StepOutputs frame whose single output has some raw fields replaced."""
     names = [f.name for f in dataclasses.fields(RequestOutputMsg)]
-    frame = _frame(StepOutputs([OUTPUT]))
+    frame = _frame(StepOutputs([OUTPUT], 1))
     for name, value in changes.items():
         frame[1][0][names.index(name)] = value
     return _pack(frame)
@@ -165,7 +168,7 @@ MALFORMED: dict[str, bytes] = {
     "generate too short": _pack(_frame(GENERATE)[:-1]),
     "generate too long": _pack([*_frame(GENERATE), None]),
     "abort no field": _pack(_frame(Abort(["a"]))[:1]),
-    "output too short": _pack([_frame(StepOutputs([]))[0], [["r", [1]]]]),
+    "output too short": _pack([_frame(StepOutputs([], 0))[0], [["r", [1]]]]),
     "logprob pair arity": _gen_output(logprobs=[[-0.1, [[42]]], [-1.0, []]]),
     "logprob entry arity": _gen_output(logprobs=[[-0.1]]),
     # field types
@@ -198,14 +201,22 @@ MALFORMED: dict[str, bytes] = {
     "stats kv_usage str": _with(STATS, 4, "0.5"),
     "stats timestamp nil": _with(STATS, 12, None),
     "stats timestamp ext": _with(STATS, 12, msgpack.Timestamp(1, 0)),
-    "outputs not list": _with(StepOutputs([OUTPUT]), 1, {"r": 1}),
-    "output not array": _with(StepOutputs([OUTPUT]), 1, ["req-1"]),
+    "outputs not list": _with(StepOutputs([OUTPUT], 1), 1, {"r": 1}),
+    "output not array": _with(StepOutputs([OUTPUT], 1), 1, ["req-1"]),
     "output token bool": _gen_output(new_token_ids=[True]),
     "output cached nil": _gen_output(num_cached_tokens=None),
     "output finish int": _gen_output(finish_reason=1),
     "output logprob str": _gen_output(logprobs=[["-0.1", []]]),
     "output top id float": _gen_output(logprobs=[[-0.1, [[42.0, -0.1]]]]),
     "output error bool": _gen_output(error=True),
+    "timings not array": _gen_output(timings={"finished": 1.0}),
+    "timings too short": _gen_output(timings=[0.1, 0.2, 0.3]),
+    "timings finished nil": _gen_output(timings=[0.1, 0.2, None, []]),
+    "timings preempted str": _gen_output(timings=[0.1, 0.2, 0.3, ["0.1"]]),
+    "timings scheduled bool": _gen_output(timings=[True, 0.2, 0.3, []]),
+    "step tokens nil": _with(StepOutputs([], 1), 2, None),
+    "step tokens float": _with(StepOutputs([], 1), 2, 1.5),
+    "step tokens missing": _pack(_frame(StepOutputs([], 1))[:2]),
     "error code nil": _with(RequestError("r", "m", "c"), 3, None),
     "goodbye reason list": _with(Goodbye("w", "r"), 2, ["r"]),
     # versions

@@ -58,7 +58,7 @@ def generate(i: int) -> Generate:
 
 
 def step(i: int) -> StepOutputs:
-    return StepOutputs([RequestOutputMsg(f"req-{i}", [i], None, 0, None, None)])
+    return StepOutputs([RequestOutputMsg(f"req-{i}", [i], None, 0, None, None, None)], 1)
 
 
 def stats(i: int) -> Stats:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from workers.core.block_manager import BlockManager
 from workers.core.fair_queue import FairQueue
-from workers.core.outputs import SampledToken, SchedulerOutput
+from workers.core.outputs import RequestTimings, SampledToken, SchedulerOutput
 from workers.core.request import Request, RequestStatus
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
@@ -156,3 +156,52 @@ def test_tokens_in_spans_prompt_and_output() -> None:
     r.output_token_ids = [5, 6, 7]
     full = r.all_token_ids
     assert all(r.tokens_in(a, b) == full[a:b] for a in range(8) for b in range(a, 8))
+
+
+class StepClock:
+    """A clock the test moves by hand: each milestone's offset is known exactly."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_finished_outputs_carry_phase_offsets_since_arrival() -> None:
+    clock = StepClock()
+    s = Scheduler(SchedulerConfig(8, 4), BlockManager(64, 4), clock)
+    s.add_request(mk("a", 6, max_tokens=2, t=100.0))
+    clock.now = 100.5
+    out = s.schedule()  # a's first chunk (4 of 6): scheduled at +0.5
+    clock.now = 101.0
+    assert s.update_from_output(out, {}) == []  # no token yet: nothing to report
+    out = s.schedule()
+    clock.now = 101.25
+    [first] = s.update_from_output(out, {"a": SampledToken(7)})  # prefill done, first token at +1.25
+    assert first.timings is None  # only the last output carries timings
+    out = s.schedule()
+    clock.now = 102.0
+    [last] = s.update_from_output(out, {"a": SampledToken(8)})
+    assert last.finish_reason == "length"
+    assert last.timings == RequestTimings(scheduled=0.5, first_token=1.25, finished=2.0, preempted=())
+
+
+def test_preemption_and_abort_in_the_queue_are_in_the_timings() -> None:
+    clock = StepClock()
+    s = Scheduler(SchedulerConfig(8, 64), BlockManager(4, 4), clock)
+    s.add_request(mk("a", 7, max_tokens=10, t=100.0))
+    s.add_request(mk("b", 7, max_tokens=10, t=100.0))
+    s.add_request(mk("c", 3, max_tokens=10, t=100.0))
+    finish_step(s, s.schedule())  # a and b fill the cache; c waits
+    finish_step(s, s.schedule())  # position 7 still fits in block 2 of each
+    clock.now = 103.0
+    out = s.schedule()  # a's decode needs a third block: b, admitted last, is preempted at +3
+    assert out.preempted_ids == ["b"]
+    clock.now = 104.0
+    s.abort(["b", "c"])
+    outs = {o.request_id: o for o in s.update_from_output(out, {"a": SampledToken(7)})}
+    b, c = outs["b"].timings, outs["c"].timings
+    assert b is not None and b.scheduled == 0.0 and b.first_token == 0.0 and b.preempted == (3.0,)
+    assert b.finished == 4.0
+    assert c == RequestTimings(scheduled=None, first_token=None, finished=4.0, preempted=())

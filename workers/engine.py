@@ -7,7 +7,6 @@ requests and, through the block manager, their blocks) and the model runner (whi
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -41,6 +40,7 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.last_num_batched_tokens = 0  # tokens the last step() computed (prompt chunks + decodes)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, weight: float = 1.0,
@@ -57,7 +57,7 @@ class LLMEngine:
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
         req = Request(request_id, ids, params, cache_salt, float(weight),
-                      arrival_time if arrival_time is not None else time.monotonic(),
+                      arrival_time if arrival_time is not None else self.scheduler.clock(),
                       self.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(req)
 
@@ -71,6 +71,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        self.last_num_batched_tokens = plan.num_batched_tokens
         if plan.empty:
             return self.scheduler.take_finished_unreported()
         sampled = self.runner.execute(plan)

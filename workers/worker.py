@@ -19,8 +19,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, Generate, GatewayToWorker, Goodbye, Hello,
-                          RequestError, RequestOutputMsg, Shutdown, Stats, StepOutputs)
+from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generate, GatewayToWorker, Goodbye,
+                          Hello, RequestError, RequestOutputMsg, Shutdown, Stats, StepOutputs)
 from ipc.sync_transport import drain_incoming, send, worker_dealer
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.outputs import StepOutput
@@ -57,8 +57,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def to_msg(o: StepOutput) -> RequestOutputMsg:
+    t = o.timings
+    timings = None if t is None else EngineTimings(t.scheduled, t.first_token, t.finished, list(t.preempted))
     return RequestOutputMsg(o.request_id, list(o.new_token_ids), o.finish_reason, o.num_cached_tokens,
-                            o.logprobs, o.error)
+                            o.logprobs, o.error, timings)
 
 
 class Worker:
@@ -147,8 +149,9 @@ class Worker:
             self._expire()
             if self.engine.has_unfinished():
                 outs = self.engine.step()
-                if outs:
-                    send(self.sock, StepOutputs([to_msg(o) for o in outs]))
+                tokens = self.engine.last_num_batched_tokens
+                if outs or tokens:  # a prefill chunk that sampled nothing still counts as an iteration
+                    send(self.sock, StepOutputs([to_msg(o) for o in outs], tokens))
                     for o in outs:
                         if o.finished:
                             self.deadlines.pop(o.request_id, None)

@@ -42,6 +42,17 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request spent its time in the engine, in seconds since it arrived there. Offsets, not
+    timestamps: whoever reads them need not share the engine's clock."""
+
+    scheduled: float | None  # first admitted to a batch; None if it never ran (aborted while queued)
+    first_token: float | None
+    finished: float
+    preempted: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
@@ -49,6 +60,7 @@ class StepOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # set when the request could never run (a 4xx for the client)
+    timings: RequestTimings | None = None  # set on the request's last output only
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,10 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     num_preemptions: int = 0
     error: str | None = None  # why a FINISHED_IGNORED request could never run
+    # Milestones on the scheduler's clock (the same clock as arrival_time), for queue/prefill/decode metrics.
+    scheduled_time: float | None = None  # first admitted to a batch; a preempted request keeps its first
+    first_token_time: float | None = None
+    preempted_times: list[float] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,11 +7,13 @@ order, their prompts split into chunks that fit the remaining budget.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.core.block_manager import BlockManager
 from workers.core.fair_queue import FairQueue
-from workers.core.outputs import SampledToken, ScheduledRequest, SchedulerOutput, StepOutput
+from workers.core.outputs import RequestTimings, SampledToken, ScheduledRequest, SchedulerOutput, StepOutput
 from workers.core.request import Request, RequestStatus
 
 
@@ -28,9 +30,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.bm = block_manager
+        self.clock = clock  # stamps request milestones; requests' arrival_time must come from it too
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -100,6 +104,7 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, out: list[ScheduledRequest]) -> int:
         bs = self.bm.block_size
+        now: float | None = None
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req is None:
@@ -114,6 +119,9 @@ class Scheduler:
             req.num_computed_tokens = len(hits) * bs
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = len(hits) * bs
+            if req.scheduled_time is None:
+                now = self.clock() if now is None else now
+                req.scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(ScheduledRequest(req, n, self.bm.block_table(req.request_id)))
@@ -125,12 +133,14 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
         req.num_preemptions += 1
+        req.preempted_times.append(self.clock())
         self.num_preemptions += 1
         self.waiting.push_front(req)
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepOutput]:
         outputs = self.take_finished_unreported()
+        now = self.clock()  # the step's results exist from here on
         for s in plan.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
@@ -143,14 +153,17 @@ class Scheduler:
             if not samples:
                 continue  # a prefill chunk that did not reach the end of the prompt
             tok = sampled[req.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
             req.output_token_ids.append(tok.token_id)
             self.generation_tokens_total += 1
             status = req.check_stop(tok.token_id)
             if status is not None:
                 self._finish(req, status)
             lp = [tok.logprobs] if tok.logprobs is not None else None
+            timings = _timings(req, now) if status is not None else None
             outputs.append(StepOutput(req.request_id, [tok.token_id], req.status.finish_reason,
-                                      req.num_cached_tokens, lp))
+                                      req.num_cached_tokens, lp, None, timings))
         return outputs
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -160,7 +173,16 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def take_finished_unreported(self) -> list[StepOutput]:
-        out = [StepOutput(r.request_id, [], r.status.finish_reason, max(r.num_cached_tokens, 0), None, r.error)
-               for r in self._finished_unreported]
+        now = self.clock()
+        out = [StepOutput(r.request_id, [], r.status.finish_reason, max(r.num_cached_tokens, 0), None, r.error,
+                          _timings(r, now)) for r in self._finished_unreported]
         self._finished_unreported.clear()
         return out
+
+
+def _timings(req: Request, now: float) -> RequestTimings:
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - req.arrival_time
+
+    return RequestTimings(since(req.scheduled_time), since(req.first_token_time), now - req.arrival_time,
+                          tuple(t - req.arrival_time for t in req.preempted_times))
