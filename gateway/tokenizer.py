@@ -22,6 +22,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from workers import model_files
+from workers.startup import StartupProgress
 
 
 class ChatTemplateError(ValueError):
@@ -37,8 +38,9 @@ def resolve_model_dir(name: str) -> Path:
     gguf = model_files.gguf_source(name)
     if gguf is not None and not model_files.is_model_dir(model_files.converted_dir(gguf)):
         # Converting imports torch: do it in a child so the gateway process stays torch-free.
-        subprocess.run([sys.executable, "-m", "workers.model_files", name], check=True,
-                       stdout=subprocess.DEVNULL)
+        with StartupProgress("gateway").step(f"converting {gguf.name} to safetensors (once; cached after)"):
+            subprocess.run([sys.executable, "-m", "workers.model_files", name], check=True,
+                           stdout=subprocess.DEVNULL)
     return model_files.resolve(name, convert=False).directory
 
 

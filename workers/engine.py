@@ -21,6 +21,7 @@ from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
 from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
+from workers.startup import StartupProgress
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,20 @@ class LLMEngine:
                 self.runner.release(o.request_id)
         return outputs
 
+    def warm_up(self) -> None:
+        """One tiny greedy request through every path a real one takes (prefill, paged decode, sampling), so
+        the first client does not pay first-call costs (kernel compilation on a GPU, allocator growth). Its
+        prompt is shorter than a block, so nothing of it stays in the prefix cache; counters start at zero."""
+        n = max(1, min(8, self.max_model_len - 2))
+        self.add_request("warmup", [0] * n, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                         cache_salt="\0warmup")
+        while self.has_unfinished():
+            self.step()
+        s, bm = self.scheduler, self.scheduler.bm
+        s.num_preemptions = s.prompt_tokens_total = s.generation_tokens_total = 0
+        bm.prefix_queries = bm.prefix_hits = 0
+        self.last_num_batched_tokens = 0
+
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.bm
         return EngineStats(bm.num_blocks, bm.num_free_blocks, bm.usage, len(s.running), len(s.waiting),
@@ -134,15 +149,24 @@ def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | No
     return model, max_len
 
 
-def engine_from_config(cfg: EngineConfig) -> tuple[LLMEngine, Path]:
-    """Resolve, load and wrap the configured model; returns the engine and the model's directory."""
+def engine_from_config(cfg: EngineConfig, progress: StartupProgress | None = None) -> tuple[LLMEngine, Path]:
+    """Resolve, load, wrap and warm up the configured model; returns the engine and the model's directory."""
     from workers.model_files import resolve
     from workers.models.loader import load_state_dict, read_config
 
-    files = resolve(cfg.model.model)
-    llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
-    model, max_len = build_model(llama_cfg, load_state_dict(files.directory), cfg)
-    return engine_from_model(model, cfg, max_len), files.directory
+    progress = progress or StartupProgress("engine")
+    with progress.step(f"resolving model {cfg.model.model} (a GGUF converts once)"):
+        files = resolve(cfg.model.model)
+    with progress.step("loading weights"):
+        llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
+        state_dict = load_state_dict(files.directory)
+    with progress.step(f"building the model ({cfg.model.dtype}, {cfg.model.device})"):
+        model, max_len = build_model(llama_cfg, state_dict, cfg)
+    with progress.step("allocating the KV cache and loading attention kernels"):
+        engine = engine_from_model(model, cfg, max_len)
+    with progress.step("warming up"):
+        engine.warm_up()
+    return engine, files.directory
 
 
 __all__ = ["LLMEngine", "SchedulerConfig", "build_model", "engine_from_config", "engine_from_model"]

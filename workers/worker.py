@@ -27,6 +27,7 @@ from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
 from workers.engine import LLMEngine, engine_from_config
+from workers.startup import StartupProgress
 
 log = logging.getLogger("kvgate.worker")
 STATS_INTERVAL_S = 0.5
@@ -172,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, _ = engine_from_config(engine_config(a))
+    progress = StartupProgress(f"worker {a.worker_id}")
+    engine, _ = engine_from_config(engine_config(a), progress)
+    bm = engine.scheduler.bm
+    progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len {engine.max_model_len}")
     ctx: zmq.Context[Any] = zmq.Context()
     sock = worker_dealer(ctx, a.connect, a.worker_id)
     w = Worker(engine, sock, a.worker_id, a.served_model_name or a.model, a.parent_pid)
