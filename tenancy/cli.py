@@ -256,6 +256,29 @@ def usage(ctx: typer.Context,
     _run(ctx, json_out or fmt == "json", lambda b: b.usage(tenant, since, by), render.render_usage)
 
 
+# --- top ---------------------------------------------------------------------------------------------------
+
+@app.command("top")
+def top(ctx: typer.Context,
+        url: Annotated[str | None, typer.Option(help="Gateway URL (default: the global --url or KVGATE_URL).")] = None,
+        interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 1.0,
+        once: Annotated[bool, typer.Option("--once", help="Print one frame (two samples apart) and exit.")] = False,
+        iterations: Annotated[int | None, typer.Option(min=1, help="Stop after this many refreshes.")] = None,
+        json_out: Annotated[bool, typer.Option("--json", help="Print one view as JSON (implies --once).")] = False,
+        ) -> None:
+    """Live view of a gateway's workers and tenants from its /metrics (no admin token needed)."""
+    settings = ctx.find_object(Settings)
+    target = url or (settings.url if settings else None)
+    if not target:
+        raise typer.BadParameter("give the gateway's --url (or set KVGATE_URL)", param_hint="--url")
+    from tenancy.top import TopError, run_top  # httpx and prometheus_client load only for this command
+
+    try:
+        run_top(target, interval, once, iterations, _wants_json(ctx, json_out))
+    except TopError as e:
+        _fail(str(e))
+
+
 def main() -> None:
     app()
 
