@@ -76,13 +76,14 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             sse_ping_interval=a.sse_ping_interval),
-        observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None))
+        observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None,
+                                          log_format=a.log_format))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from gateway.logs import setup_logging
+    from workers.logs import setup_logging
     from gateway.server import serve
 
     setup_logging(args.log_level, args.log_format)

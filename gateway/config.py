@@ -95,10 +95,13 @@ class TenancyConfig:
 class ObservabilityConfig:
     gpu_hour_cost: float | None = None  # price of one worker (a GPU) for an hour; turned into cost per 1k tokens
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces); None: off
+    log_format: str = "json"  # the gateway's, passed on to the workers it starts so one stream has one format
 
     def __post_init__(self) -> None:
         if self.gpu_hour_cost is not None and not 0 <= self.gpu_hour_cost < float("inf"):
             raise ValueError(f"--gpu-hour-cost must be a finite number >= 0, got {self.gpu_hour_cost}")
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"--log-format must be json or text, got {self.log_format!r}")
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise ValueError(f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}")
 

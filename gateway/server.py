@@ -122,7 +122,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
             if cfg.workers:
                 supervisor = Supervisor(pool, cfg.workers, zmq_addr, model_dir, cfg.model_name, cfg.engine,
                                         cfg.timing, on_restart=lambda wid: gm.restarts.labels(cfg.model_name,
-                                                                                              wid).inc())
+                                                                                              wid).inc(),
+                                        log_format=cfg.observability.log_format)
                 await outer.start(supervisor.run)
             app = create_app(GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing))
             stop = trio.Event()

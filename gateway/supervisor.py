@@ -67,13 +67,13 @@ async def wait_process(proc: subprocess.Popen[bytes]) -> int:
 class Supervisor:
     def __init__(self, pool: WorkerPool, count: int, connect: str, model: str | Path, served_model_name: str,
                  engine: EngineArgs, timing: TimingConfig, python: str = sys.executable,
-                 on_restart: Callable[[str], None] = lambda worker_id: None) -> None:
+                 on_restart: Callable[[str], None] = lambda worker_id: None, log_format: str = "json") -> None:
         self._pool = pool
         self._on_restart = on_restart  # counts restarts (metrics); called before each backoff
         self._count = count
         self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
                           "--served-model-name", served_model_name, "--parent-pid", str(os.getpid()),
-                          *engine.argv()]
+                          "--log-format", log_format, *engine.argv()]
         self._timing = timing
         self._next_start: dict[int, float] = {}  # slot -> trio time of its next (re)start
         self._startup_s: float | None = None  # measured spawn-to-Hello time of the last start

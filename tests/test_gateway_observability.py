@@ -68,6 +68,9 @@ def test_canary_never_logged_and_each_request_logs_one_line(srv: Server) -> None
         assert int(str(rec["prompt_tokens"])) > 0 and float(str(rec["latency_ms"])) > 0
     refused = [rec for rec in lines if rec.get("event") == "request_refused"]
     assert [rec["http_status"] for rec in refused] == [400]
+    # The worker the gateway started logs JSON lines too (its start-up steps among them).
+    assert any(rec.get("logger") == "kvgate.startup" and str(rec["msg"]).startswith("worker w0: ready")
+               for rec in lines)
 
 
 def _samples(srv: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -27,6 +27,7 @@ from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
 from workers.engine import LLMEngine, engine_from_config
+from workers.logs import FORMATS, setup_logging
 from workers.startup import StartupProgress
 
 log = logging.getLogger("kvgate.worker")
@@ -170,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect", required=True, help="the gateway's ZeroMQ address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--worker-id", default=f"worker-{os.getpid()}")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
+    p.add_argument("--log-format", default="json", choices=FORMATS, help="JSON lines (default) or readable text")
     add_engine_args(p)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("INFO", a.log_format)
     progress = StartupProgress(f"worker {a.worker_id}")
     engine, _ = engine_from_config(engine_config(a), progress)
     bm = engine.scheduler.bm

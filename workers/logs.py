@@ -1,4 +1,5 @@
-"""Logging set-up: JSON lines by default (one object per line, for log shippers), readable text on request.
+"""Logging set-up for the gateway and its workers (torch-free, so the gateway can import it): JSON lines by
+default (one object per line, for log shippers), readable text on request.
 
 Fields passed as ``extra={"fields": {...}}`` become top-level keys of the JSON object (or ``key=value`` pairs in
 text). Nothing here ever adds prompt or completion text: callers log ids, counts and timings only.
