@@ -8,7 +8,7 @@ the API and ``kvgatectl --db`` answer alike. Store calls block on SQLite's fsync
     GET    /admin/tenants                       -> {"object": "list", "data": [tenant]}
     POST   /admin/tenants {name, weight?}       -> tenant (201)
     GET    /admin/tenants/<ref>                 -> tenant + {"keys": [key], "quota": quota}
-    PATCH  /admin/tenants/<ref> {weight}        -> tenant
+    PATCH  /admin/tenants/<ref> {weight} | {log_text: bool} -> tenant (one field per request)
     DELETE /admin/tenants/<ref>                 -> {"id", "name", "deleted": true}
     POST   /admin/tenants/<ref>/suspend|resume  -> tenant
     GET    /admin/tenants/<ref>/keys            -> {"object": "list", "data": [key]}
@@ -37,6 +37,7 @@ from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.store import TenancyStore
 
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
+TENANT_FIELDS = ("weight", "log_text")  # what PATCH /admin/tenants/<ref> may change
 
 
 def op_error(e: AdminOpError) -> APIError:
@@ -106,9 +107,12 @@ def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_chan
 
     @bp.patch("/tenants/<ref>")
     async def update_tenant(ref: str) -> Response:
-        body = await _body(("weight",))
-        if "weight" not in body:
-            raise bad_request("nothing to update: give 'weight'", param="weight")
+        body = await _body(TENANT_FIELDS)
+        if len(body) != 1:
+            # One field, one store write: a request that sets two could half-apply if the second is refused.
+            raise bad_request("give exactly one of 'weight' or 'log_text'", param=None if body else "weight")
+        if "log_text" in body:
+            return await call(ops.set_log_text, ref, body["log_text"], mutation=True)
         return await call(ops.update_tenant, ref, body["weight"], mutation=True)
 
     @bp.delete("/tenants/<ref>")

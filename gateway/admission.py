@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import trio
 
@@ -121,9 +121,11 @@ class RequestAccount:
     """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
 
     def __init__(self, gate: QuotaGate, ledger: UsageLedger, metrics: GatewayMetrics, principal: Principal,
-                 request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool) -> None:
+                 request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool, *,
+                 prompt_text: str | None = None) -> None:
         self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
+        self._prompt_text = prompt_text  # only logged when the tenant opted in (principal.log_text)
         self._trace = trace
         trace.admitted(request_id, principal.tenant_id, model, stream)  # the trace's root now waits for our end
         self.started_wall = time.time()
@@ -164,16 +166,27 @@ class RequestAccount:
         self._report(row, asm)
 
     def _report(self, row: UsageRow, asm: OutputAssembler) -> None:
-        _log_finished(row)
+        # The tenant's setting decides, not the caller: text handed in for a tenant that is off stays unlogged.
+        text = _Text(self._prompt_text, asm.text) if self._principal.log_text else None
+        _log_finished(row, text)
         self._metrics.request_finished(row, self._principal.tenant_name, self.worker)
         self._trace.request_ended(row, asm, self.worker)
 
 
-def _log_finished(row: UsageRow) -> None:
-    """One line per finished request: ids, status, counts and timings; never prompt or completion text."""
-    log.info("request finished", extra={"fields": {
+class _Text(NamedTuple):
+    prompt: str | None  # None when the caller did not hand the prompt's text over
+    completion: str
+
+
+def _log_finished(row: UsageRow, text: _Text | None) -> None:
+    """One line per finished request: ids, status, counts and timings; prompt and completion text only when the
+    tenant opted in (``kvgatectl tenant set-log-text NAME on``), else never."""
+    fields: dict[str, Any] = {
         "event": "request_finished", "request_id": row.request_id, "tenant_id": row.tenant_id,
         "key_id": row.key_id, "model": row.model, "status": row.status, "prompt_tokens": row.prompt_tokens,
         "cached_tokens": row.cached_tokens, "completion_tokens": row.completion_tokens,
         "ttft_ms": None if row.ttft_ms is None else round(row.ttft_ms, 1),
-        "latency_ms": None if row.latency_ms is None else round(row.latency_ms, 1)}})
+        "latency_ms": None if row.latency_ms is None else round(row.latency_ms, 1)}
+    if text is not None:
+        fields["prompt"], fields["completion"] = text.prompt, text.completion
+    log.info("request finished", extra={"fields": fields})

@@ -135,8 +135,10 @@ def create_app(state: GatewayState) -> QuartTrio:
     async def run_generation(kind: str, rt: RequestTrace) -> Response:
         principal, req, request_id = await admit(kind, rt)
         g.admitted = True  # from here the request's account logs its end
+        # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
         account = RequestAccount(ten.quota, ten.ledger, gm, principal, request_id, cfg.model_name,
-                                 len(req.prompt_ids), rt, req.stream)
+                                 len(req.prompt_ids), rt, req.stream,
+                                 prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None)
         asm = OutputAssembler(tok, req.stop, req.logprobs)
         timeout = cfg.timing.request_timeout
         try:

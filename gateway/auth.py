@@ -38,6 +38,7 @@ class Principal:
     cache_salt: str  # opaque to workers; scopes the prefix cache to this tenant
     quota: Quota  # effective: the key's own fields over the tenant's
     scopes: tuple[Scope, ...]
+    log_text: bool  # the tenant opted in to prompt/completion text in its request_finished lines
 
     def allows_model(self, model: str) -> bool:
         return self.quota.allowed_models is None or model in self.quota.allowed_models
@@ -54,7 +55,8 @@ def build_principal(auth: AuthResult, tenant_row: Quota, key_row: Quota | None, 
     if key_row is not None:
         scopes.append(Scope(f"key:{auth.key_id}", replace(key_row, max_prompt_tokens=None,
                                                           max_tokens_per_request=None)))
-    return Principal(auth.tenant_id, auth.tenant_name, auth.key_id, auth.weight, salt, effective, tuple(scopes))
+    return Principal(auth.tenant_id, auth.tenant_name, auth.key_id, auth.weight, salt, effective, tuple(scopes),
+                     auth.log_text)
 
 
 class AddressLimiter:

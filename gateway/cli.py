@@ -56,7 +56,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no traces leave the process)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="json", choices=["json", "text"],
-                   help="JSON lines (default) or readable text; never prompt or completion text either way")
+                   help="JSON lines (default) or readable text; prompt and completion text only for tenants that "
+                        "opted in (kvgatectl tenant set-log-text)")
     return p
 
 

@@ -75,6 +75,9 @@ class RemoteAdmin:
     def update_tenant(self, ref: str, weight: float) -> Json:
         return self._call("PATCH", f"/tenants/{_seg(ref)}", body={"weight": weight})
 
+    def set_log_text(self, ref: str, on: bool) -> Json:
+        return self._call("PATCH", f"/tenants/{_seg(ref)}", body={"log_text": on})
+
     def delete_tenant(self, ref: str) -> Json:
         return self._call("DELETE", f"/tenants/{_seg(ref)}")
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, Protocol, TypeVar
 
-from tenancy.admin_values import (AdminInputError, check_expiry, check_label, check_name, check_quota_patch,
-                                  check_ref, check_weight, parse_grouping, parse_since)
+from tenancy.admin_values import (AdminInputError, check_expiry, check_flag, check_label, check_name,
+                                  check_quota_patch, check_ref, check_weight, parse_grouping, parse_since)
 from tenancy.models import ApiKeyInfo, Quota, Tenant, UsageGroup
 from tenancy.store import TenancyStore
 
@@ -46,6 +46,7 @@ class AdminBackend(Protocol):
     def suspend_tenant(self, ref: str) -> Json: ...
     def resume_tenant(self, ref: str) -> Json: ...
     def update_tenant(self, ref: str, weight: float) -> Json: ...
+    def set_log_text(self, ref: str, on: bool) -> Json: ...
     def delete_tenant(self, ref: str) -> Json: ...
     def create_key(self, tenant: str, label: str = "", expires_at: float | None = None,
                    expires_in_days: float | None = None) -> Json: ...
@@ -63,7 +64,8 @@ def list_json(items: list[Json], **extra: Any) -> Json:
 
 
 def tenant_json(t: Tenant) -> Json:
-    return {"id": t.id, "name": t.name, "status": t.status, "weight": t.weight, "created_at": t.created_at}
+    return {"id": t.id, "name": t.name, "status": t.status, "weight": t.weight, "created_at": t.created_at,
+            "log_text": t.log_text}
 
 
 def key_status(k: ApiKeyInfo, now: float) -> str:
@@ -161,6 +163,11 @@ class LocalAdmin:
     def update_tenant(self, ref: str, weight: float) -> Json:
         weight = check_weight(weight)
         return tenant_json(self._store.set_weight(self._tenant(ref).id, weight))
+
+    @_translated
+    def set_log_text(self, ref: str, on: bool) -> Json:
+        on = check_flag(on, "log_text")
+        return tenant_json(self._store.set_log_text(self._tenant(ref).id, on))
 
     @_translated
     def delete_tenant(self, ref: str) -> Json:

@@ -58,6 +58,13 @@ def check_weight(value: object) -> float:
     return float(cast(float, value))
 
 
+def check_flag(value: object, param: str) -> bool:
+    """A JSON true/false only: 0, 1 or "off" would be too easy to get backwards for a privacy switch."""
+    if not isinstance(value, bool):
+        raise AdminInputError(f"'{param}' must be true or false, got {value!r}", param)
+    return value
+
+
 def check_label(value: object) -> str:
     if not isinstance(value, str) or len(value) > MAX_LABEL_CHARS or not value.isprintable():
         raise AdminInputError(f"'label' must be a printable string of at most {MAX_LABEL_CHARS} characters", "label")

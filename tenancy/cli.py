@@ -148,6 +148,14 @@ def tenant_set_weight(ctx: typer.Context, ref: TenantArg,
     _run(ctx, json_out, lambda b: b.update_tenant(ref, weight), render.render_tenant)
 
 
+@tenant_app.command("set-log-text")
+def tenant_set_log_text(ctx: typer.Context, ref: TenantArg,
+                        state: Annotated[Literal["on", "off"], typer.Argument(help="on or off.")],
+                        json_out: JsonFlag = False) -> None:
+    """Log (on) or stop logging (off) a tenant's prompt and completion text in request_finished lines."""
+    _run(ctx, json_out, lambda b: b.set_log_text(ref, state == "on"), render.render_tenant)
+
+
 @tenant_app.command("delete")
 def tenant_delete(ctx: typer.Context, ref: TenantArg,
                   yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,

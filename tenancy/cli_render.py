@@ -65,9 +65,13 @@ def _fields(console: Console, title: str, pairs: list[tuple[str, Any]]) -> None:
     console.print(table)
 
 
+def fmt_on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def tenant_pairs(t: Json) -> list[tuple[str, Any]]:
     return [("id", t["id"]), ("name", t["name"]), ("status", t["status"]), ("weight", t["weight"]),
-            ("created", fmt_time(t["created_at"]))]
+            ("log text", fmt_on_off(t["log_text"])), ("created", fmt_time(t["created_at"]))]
 
 
 def render_tenant(console: Console, t: Json) -> None:
@@ -75,9 +79,10 @@ def render_tenant(console: Console, t: Json) -> None:
 
 
 def render_tenants(console: Console, result: Json) -> None:
-    table = _table(None, "id", "name", "status", "weight", "created")
+    table = _table(None, "id", "name", "status", "weight", "log text", "created")
     for t in result["data"]:
-        _row(table, t["id"], t["name"], t["status"], t["weight"], fmt_time(t["created_at"]))
+        _row(table, t["id"], t["name"], t["status"], t["weight"], fmt_on_off(t["log_text"]),
+             fmt_time(t["created_at"]))
     console.print(table if result["data"] else "no tenants")
 
 

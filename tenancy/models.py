@@ -31,6 +31,7 @@ class Tenant:
     status: TenantStatus
     weight: float
     created_at: float
+    log_text: bool = False  # log this tenant's prompt and completion text (off: the gateway never does)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class AuthResult:
     tenant_status: TenantStatus  # the caller turns 'suspended' into a 403, not a 401
     key_id: str
     weight: float
+    log_text: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     )),
     # Per-key budgets are seeded from the ledger by key: without this index that is a full scan.
     (2, ("CREATE INDEX usage_key_time ON usage(key_id, started_at)",)),
+    # Opt-in logging of prompt/completion text; existing tenants get the default (off), never text by surprise.
+    (3, ("ALTER TABLE tenants ADD COLUMN log_text INTEGER NOT NULL DEFAULT 0 CHECK (log_text IN (0, 1))",)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

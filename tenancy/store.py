@@ -23,6 +23,7 @@ from tenancy.models import (KEY_ID_PREFIX, TENANT_ID_PREFIX, ApiKeyInfo, AuthRes
                             UsageGrouping, UsageRow, validate_tenant_name)
 from tenancy.server_secret import ServerSecret, load_secret
 
+_TENANT_COLUMNS = "id, name, status, weight, created_at, log_text"
 _KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
 _QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
                   "max_prompt_tokens", "allowed_models")
@@ -93,12 +94,11 @@ class TenancyStore:
         return tenant
 
     def list_tenants(self) -> list[Tenant]:
-        rows = self._read("SELECT id, name, status, weight, created_at FROM tenants ORDER BY name")
+        rows = self._read(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")
         return [_tenant(r) for r in rows]
 
     def find_tenant(self, ref: str) -> Tenant | None:
-        rows = self._read("SELECT id, name, status, weight, created_at FROM tenants WHERE id = ? OR name = ?",
-                          (ref, ref))
+        rows = self._read(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE id = ? OR name = ?", (ref, ref))
         return _tenant(rows[0]) if rows else None
 
     def get_tenant(self, ref: str) -> Tenant:
@@ -126,6 +126,15 @@ class TenancyStore:
         tenant_id = self.get_tenant(ref).id
         with self._write() as conn:
             conn.execute("UPDATE tenants SET weight = ? WHERE id = ?", (float(weight), tenant_id))
+        return self.get_tenant(tenant_id)
+
+    def set_log_text(self, ref: str, on: bool) -> Tenant:
+        """Whether the gateway logs this tenant's prompt and completion text (off by default)."""
+        if not isinstance(on, bool):  # a truthy string such as "off" must not switch text logging on
+            raise ValueError(f"log_text must be a bool, got {on!r}")
+        tenant_id = self.get_tenant(ref).id
+        with self._write() as conn:
+            conn.execute("UPDATE tenants SET log_text = ? WHERE id = ?", (int(on), tenant_id))
         return self.get_tenant(tenant_id)
 
     def delete_tenant(self, ref: str) -> None:
@@ -179,16 +188,17 @@ class TenancyStore:
             return None
         candidate = hash_key(plaintext, self._pepper)
         # Looking up by hash is safe: equality on a keyed hash leaks nothing about the plaintext.
-        rows = self._read("SELECT k.key_hash, k.expires_at, k.revoked_at, t.id, t.name, t.status, k.id, t.weight "
-                          "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = ?", (candidate,))
+        rows = self._read("SELECT k.key_hash, k.expires_at, k.revoked_at, t.id, t.name, t.status, k.id, t.weight, "
+                          "t.log_text FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = ?",
+                          (candidate,))
         if not rows:
             return None
-        stored, expires_at, revoked_at, tenant_id, name, status, key_id, weight = rows[0]
+        stored, expires_at, revoked_at, tenant_id, name, status, key_id, weight, log_text = rows[0]
         if not keys_match(stored, candidate) or revoked_at is not None:
             return None
         if expires_at is not None and self._clock() >= expires_at:
             return None
-        return AuthResult(tenant_id, name, status, key_id, weight)
+        return AuthResult(tenant_id, name, status, key_id, weight, bool(log_text))
 
     # --- quotas --------------------------------------------------------------------------------------------
 
@@ -297,4 +307,4 @@ def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -
 
 
 def _tenant(row: tuple[Any, ...]) -> Tenant:
-    return Tenant(row[0], row[1], row[2], row[3], row[4])
+    return Tenant(row[0], row[1], row[2], row[3], row[4], bool(row[5]))

@@ -166,6 +166,11 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int]] = [
     ("body not object", "POST", "/admin/tenants", [1, 2], 400),
     ("invalid json", "POST", "/admin/tenants", "{nope", 400),
     ("NaN", "PATCH", "/admin/tenants/acme", '{"weight": NaN}', 400),
+    ("string log_text", "PATCH", "/admin/tenants/acme", {"log_text": "on"}, 400),
+    ("int log_text", "PATCH", "/admin/tenants/acme", {"log_text": 1}, 400),
+    ("null log_text", "PATCH", "/admin/tenants/acme", {"log_text": None}, 400),
+    ("weight and log_text", "PATCH", "/admin/tenants/acme", {"weight": 2, "log_text": True}, 400),
+    ("unknown tenant log_text", "PATCH", "/admin/tenants/nope", {"log_text": True}, 404),
     ("unknown tenant", "GET", "/admin/tenants/nope", None, 404),
     ("unknown tenant keys", "POST", "/admin/tenants/nope/keys", {"label": "x"}, 404),
     ("unknown key", "POST", "/admin/keys/key_nope/revoke", None, 404),
@@ -200,6 +205,21 @@ async def test_bad_input_is_4xx_in_openai_shape(app: QuartTrio, store: TenancySt
     assert changes.count == 0
     if want == 400:
         assert data["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.trio
+async def test_patch_log_text_on_and_off(app: QuartTrio, store: TenancyStore, changes: Changes) -> None:
+    status, t = await call(app, "POST", "/admin/tenants", {"name": "acme"})
+    assert status == 201 and t["log_text"] is False
+    status, on = await call(app, "PATCH", "/admin/tenants/acme", {"log_text": True})
+    assert status == 200 and on == {**t, "log_text": True}
+    assert store.get_tenant("acme").log_text is True
+    _, listed = await call(app, "GET", "/admin/tenants")
+    _, shown = await call(app, "GET", f"/admin/tenants/{t['id']}")
+    assert listed["data"] == [on] and shown["log_text"] is True
+    status, off = await call(app, "PATCH", f"/admin/tenants/{t['id']}", {"log_text": False})
+    assert status == 200 and off == t and store.get_tenant("acme").log_text is False
+    assert changes.count == 3  # create + two patches: each drops the gateway's auth cache
 
 
 @pytest.mark.trio

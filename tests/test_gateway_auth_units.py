@@ -3,11 +3,16 @@ bucket for failed authentications (fake clock)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
-from gateway.auth import AddressLimiter, build_principal
+from gateway.auth import AddressLimiter, Authenticator, build_principal
 from tenancy.limiter import Limiter
 from tenancy.models import AuthResult, Quota
+from tenancy.server_secret import ServerSecret
+from tenancy.store import TenancyStore
 
 AUTH = AuthResult("ten_1", "acme", "active", "key_1", 2.0)
 
@@ -45,3 +50,25 @@ def test_address_limiter_blocks_after_the_budget_and_refills() -> None:
     assert lim.blocked_for("1.2.3.4") is None
     with pytest.raises(ValueError):
         AddressLimiter(per_minute=0)
+
+
+def test_log_text_reaches_the_principal_and_defaults_off() -> None:
+    assert build_principal(AUTH, Quota(), None, "salt").log_text is False
+    assert build_principal(replace(AUTH, log_text=True), Quota(), None, "salt").log_text is True
+
+
+@pytest.mark.trio
+async def test_log_text_change_applies_once_the_cached_principal_expires(tmp_path: Path) -> None:
+    secret = ServerSecret(b"s" * 32)
+    now = [0.0]
+    with TenancyStore(tmp_path / "kvgate.db", secret.key_pepper) as store:
+        store.create_tenant("acme")
+        _, key = store.create_key("acme", "k")
+        auth = Authenticator(store, secret, ttl=1.0, clock=lambda: now[0])
+        header = f"Bearer {key}"
+        assert (await auth.authenticate(header, "127.0.0.1")).log_text is False
+        store.set_log_text("acme", True)  # as kvgatectl --db would, from another process
+        now[0] = 0.5
+        assert (await auth.authenticate(header, "127.0.0.1")).log_text is False  # still the cached principal
+        now[0] = 1.5
+        assert (await auth.authenticate(header, "127.0.0.1")).log_text is True

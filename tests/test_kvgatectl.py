@@ -94,6 +94,9 @@ def lifecycle(cli: Cli) -> dict[str, Any]:
     out["create"] = cli.json("tenant", "create", "acme", "--weight", "2")
     out["list"] = cli.json("tenant", "list")
     out["weight"] = cli.json("tenant", "set-weight", "acme", "3")
+    out["log_text_on"] = cli.json("tenant", "set-log-text", "acme", "on")
+    out["log_text_show"] = cli.json("tenant", "show", "acme")
+    out["log_text_off"] = cli.json("tenant", "set-log-text", out["create"]["id"], "off")
     out["suspend"] = cli.json("tenant", "suspend", "acme")
     out["resume"] = cli.json("tenant", "resume", out["create"]["id"])
     out["key"] = cli.json("key", "create", "acme", "--label", "ci", "--expires-in-days", "30")
@@ -114,6 +117,9 @@ def lifecycle(cli: Cli) -> dict[str, Any]:
 def check_lifecycle(out: dict[str, Any]) -> None:
     assert out["list"]["data"] == [out["create"]]
     assert out["weight"]["weight"] == 3.0
+    assert out["create"]["log_text"] is False and out["list"]["data"][0]["log_text"] is False
+    assert out["log_text_on"] == {**out["weight"], "log_text": True} and out["log_text_show"]["log_text"] is True
+    assert out["log_text_off"] == out["weight"] and out["show"]["log_text"] is False
     assert out["suspend"]["status"] == "suspended" and out["resume"]["status"] == "active"
     key = out["key"]
     assert key["key"].startswith("kvg-") and key["status"] == "active"
@@ -175,6 +181,15 @@ def test_human_tables_and_per_command_json(local: Cli) -> None:
     assert [t["name"] for t in json.loads(local.ok("tenant", "list", "--json").stdout)["data"]] == ["acme", "bravo"]
     assert "rpm" in local.ok("quota", "show", "acme").stdout
     assert "acme" in local.ok("tenant", "show", "acme").stdout
+    assert _field(local.ok("tenant", "show", "acme").stdout, "log text") == "off"
+    assert _field(local.ok("tenant", "set-log-text", "acme", "on").stdout, "log text") == "on"
+    assert _field(local.ok("tenant", "show", "acme").stdout, "log text") == "on"
+
+
+def _field(table: str, name: str) -> str:
+    """The value beside `name` in a rendered field/value table."""
+    line = next(line for line in table.splitlines() if line.strip().startswith(name + " "))
+    return line.strip()[len(name):].strip()
 
 
 def test_exit_codes(local: Cli) -> None:
@@ -182,7 +197,8 @@ def test_exit_codes(local: Cli) -> None:
     failing: list[tuple[str, ...]] = [
         ("tenant", "show", "nope"), ("key", "revoke", "key_nope"), ("tenant", "create", "acme"),
         ("tenant", "create", "bad name"), ("quota", "set", "acme", "--key", "key_nope", "--rpm", "1"),
-        ("quota", "set", "acme", "--budget", "5"), ("usage", "--since", "yesterday")]
+        ("quota", "set", "acme", "--budget", "5"), ("usage", "--since", "yesterday"),
+        ("tenant", "set-log-text", "nope", "on")]
     for args in failing:
         result = local(*args)
         assert result.exit_code == 1, (args, result.output)
@@ -190,7 +206,8 @@ def test_exit_codes(local: Cli) -> None:
     misused: list[tuple[str, ...]] = [
         ("quota", "set", "acme", "--rpm", "-1"), ("quota", "set", "acme"), ("tenant", "frobnicate"),
         ("quota", "set", "acme", "--clear", "colour"), ("usage", "--by", "hour"),
-        ("quota", "set", "acme", "--rpm", "1", "--clear", "rpm")]
+        ("quota", "set", "acme", "--rpm", "1", "--clear", "rpm"), ("tenant", "set-log-text", "acme", "yes"),
+        ("tenant", "set-log-text", "acme")]
     for args in misused:
         assert local(*args).exit_code == 2, args
     declined = local("tenant", "delete", "acme", input="n\n")

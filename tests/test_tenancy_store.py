@@ -94,6 +94,32 @@ def test_version_1_db_upgrades_in_place_and_keeps_data(tmp_path: Path) -> None:
     assert "usage_key_time" in indexes
 
 
+def test_version_2_db_gains_log_text_off_for_existing_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    schema.current_version(conn)
+    for version, statements in schema.MIGRATIONS[:2]:
+        for statement in statements:
+            conn.execute(statement)
+        conn.execute("INSERT INTO schema_version VALUES (?, 0)", (version,))
+    conn.execute("INSERT INTO tenants VALUES ('ten_0', 'old', 'active', 2.0, 0)")
+    conn.execute("INSERT INTO api_keys (id, tenant_id, label, key_hash, key_prefix, created_at) "
+                 "VALUES ('key_0', 'ten_0', 'x', 'h', 'p', 0)")
+    conn.execute("COMMIT")
+    conn.close()
+    with TenancyStore(path, PEPPER) as s:
+        assert s.applied_migrations == [3] and s.schema_version == 3
+        old = s.get_tenant("old")
+        assert (old.id, old.weight, old.log_text) == ("ten_0", 2.0, False)
+        assert [k.id for k in s.list_keys("old")] == ["key_0"]
+        assert s.set_log_text("old", True).log_text is True
+    raw = sqlite3.connect(path)
+    with pytest.raises(sqlite3.IntegrityError):
+        raw.execute("UPDATE tenants SET log_text = 2")  # the column holds 0 or 1 only
+    raw.close()
+
+
 def test_db_newer_than_code_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "a.db"
     TenancyStore(path, PEPPER).close()
@@ -180,6 +206,25 @@ def test_suspended_tenant_is_flagged_not_hidden(store: TenancyStore) -> None:
     store.suspend_tenant("acme")
     auth = store.authenticate(key)
     assert auth is not None and auth.tenant_status == "suspended"
+
+
+def test_set_log_text_by_name_or_id_reaches_authentication(store: TenancyStore) -> None:
+    t = store.create_tenant("acme")
+    _, key = store.create_key("acme", "x")
+    assert t.log_text is False and store.get_tenant("acme").log_text is False
+    auth = store.authenticate(key)
+    assert auth is not None and auth.log_text is False
+    on = store.set_log_text("acme", True)
+    assert on == store.get_tenant(t.id) and on.log_text is True and on.weight == t.weight
+    auth = store.authenticate(key)
+    assert auth is not None and auth.log_text is True
+    assert [x.log_text for x in store.list_tenants()] == [True]
+    assert store.set_log_text(t.id, False).log_text is False
+    with pytest.raises(KeyError):
+        store.set_log_text("nope", True)
+    with pytest.raises(ValueError, match="bool"):
+        store.set_log_text("acme", "off")  # type: ignore[arg-type]
+    assert store.get_tenant("acme").log_text is False
 
 
 def test_delete_tenant_kills_its_keys_keeps_its_usage(store: TenancyStore) -> None:

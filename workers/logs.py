@@ -2,7 +2,9 @@
 default (one object per line, for log shippers), readable text on request.
 
 Fields passed as ``extra={"fields": {...}}`` become top-level keys of the JSON object (or ``key=value`` pairs in
-text). Nothing here ever adds prompt or completion text: callers log ids, counts and timings only.
+text, where a string value with spaces, quotes or line breaks is JSON-quoted, so one record stays one line and
+no value can forge another record). Callers log ids, counts and timings; prompt and completion text only for a
+tenant that opted in (``kvgatectl tenant set-log-text``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
-        return line + "".join(f" {k}={v}" for k, v in fields.items()) if fields else line
+        return line + "".join(f" {k}={_text_value(v)}" for k, v in fields.items()) if fields else line
+
+
+def _text_value(v: Any) -> str:
+    s = str(v)
+    if isinstance(v, str) and (not s or any(c.isspace() or c in '"=' for c in s)):
+        return json.dumps(s, ensure_ascii=False)  # quoted, newlines escaped
+    return s
 
 
 def setup_logging(level: str, fmt: str) -> None:
