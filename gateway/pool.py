@@ -94,7 +94,7 @@ class WorkerPool:
         return self._retired_worker_seconds + sum(now - w.joined for w in self.workers.values())
 
     def pending_aborts(self) -> dict[str, int]:
-        """Abort frames queued per worker, not yet sent (the gateway -> worker IPC backlog)."""
+        """Requests per worker waiting for their Abort to be sent (the gateway -> worker IPC backlog)."""
         return {wid: len(ids) for wid, ids in self._aborts.items()}
 
     def retry_after(self) -> float:
