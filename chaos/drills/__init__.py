@@ -1,0 +1,14 @@
+"""The drills, in the issue's order. Each module holds one drill or a few that share their shape."""
+
+from __future__ import annotations
+
+from chaos.drills.base import Drill
+from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
+
+
+def all_drills() -> list[Drill]:
+    return [WorkerKill(), WorkerFreeze()]
+
+
+def by_name() -> dict[str, Drill]:
+    return {d.name: d for d in all_drills()}
