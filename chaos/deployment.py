@@ -33,6 +33,7 @@ class DeploymentSpec:
     redis: bool = False  # start a private redis-server and pass --redis-url
     torch_threads: int | None = None  # OMP_NUM_THREADS of the workers (None: torch's default)
     served_name: str = "chaos"
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the gateway (its workers inherit it)
 
 
 def free_port() -> int:
@@ -70,6 +71,7 @@ class Deployment:
         env = {**os.environ, "KVGATE_SECRET": self.secret, "PYTHONUNBUFFERED": "1"}
         if self.spec.torch_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.spec.torch_threads)
+        env.update(self.spec.env)
         return env
 
     @property

@@ -75,3 +75,27 @@ def quiet_detail(snap: Snapshot) -> str:
     values = snap.quiet_values()
     short = {name.split(":", 1)[1]: v for name, v in values.items()}
     return ", ".join(f"{k}={v:g}" for k, v in short.items())
+
+
+class MetricsWatch:
+    """Samples ``/metrics`` every ``interval`` s while a load runs and keeps the peak of each named series (summed
+    over labels); run it in a nursery and cancel it after. A failed scrape is counted, not fatal: the gateway
+    answering /metrics slowly under load is something to report, not a reason to stop watching."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, series: tuple[str, ...], interval: float = 0.25) -> None:
+        self.client, self.url, self.series, self.interval = client, url, series, interval
+        self.peak: dict[str, float] = {name: 0.0 for name in series}
+        self.failed_scrapes = 0
+        self.scrapes = 0
+
+    async def run(self) -> None:
+        while True:
+            try:
+                snap = await scrape(self.client, self.url)
+            except (httpx.HTTPError, trio.TooSlowError):
+                self.failed_scrapes += 1
+            else:
+                self.scrapes += 1
+                for name in self.series:
+                    self.peak[name] = max(self.peak[name], snap.total(name))
+            await trio.sleep(self.interval)

@@ -20,3 +20,7 @@ def test_worker_kill_quick() -> None:
 
 def test_worker_freeze_quick() -> None:
     assert_passed(run_quick("worker-freeze"))
+
+
+def test_slow_steps_quick() -> None:
+    assert_passed(run_quick("slow-steps"))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from chaos.drills.base import Drill
+from chaos.drills.slow_steps import SlowSteps
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
-    return [WorkerKill(), WorkerFreeze()]
+    return [WorkerKill(), WorkerFreeze(), SlowSteps()]
 
 
 def by_name() -> dict[str, Drill]:
