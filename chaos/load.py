@@ -56,6 +56,7 @@ class Outcome:
     shape_ok: bool = True  # every error seen had OpenAI's shape {"error": {message, type, param, code}}
     request_id: str | None = None
     drop_label: str = ""
+    streamed: bool = False  # asked for SSE (a plain response has no first-token time of its own)
     started: float = 0.0  # trio clock
     headers_at: float | None = None
     first_token_at: float | None = None
@@ -134,6 +135,7 @@ class LoadGenerator:
         async with limiter:
             self.in_flight += 1
             out.kind, out.started = "hung", trio.current_time()
+            out.streamed = bool(spec.body.get("stream"))
             out.drop_label = spec.drop.label if spec.drop else ""
             ended = False
             try:

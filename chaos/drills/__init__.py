@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from chaos.drills.base import Drill
+from chaos.drills.disconnect_storm import DisconnectStorm
+from chaos.drills.overload import Overload
 from chaos.drills.slow_steps import SlowSteps
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
-    return [WorkerKill(), WorkerFreeze(), SlowSteps()]
+    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload()]
 
 
 def by_name() -> dict[str, Drill]:

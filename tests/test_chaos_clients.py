@@ -1,0 +1,22 @@
+"""Chaos drills about clients at their --quick size: a disconnect storm and an overload burst.
+
+Each spawns its own deployment (gateway + one worker on a tiny random model, fresh store, loopback). Afterwards
+nothing may be held for anyone (running, KV, slots), the ledger must match the responses, and an overload may only
+ever answer 200, 429 or 503 (with retry-after). No timing assertion on throughput.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos_support import assert_passed, run_quick
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_disconnect_storm_quick() -> None:
+    assert_passed(run_quick("disconnect-storm"))
+
+
+def test_overload_quick() -> None:
+    assert_passed(run_quick("overload"))
