@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from workers.core.scheduler import SchedulerConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,18 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV cache
     seed: int = 0  # for requests that carry no seed of their own
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: torch's default)
+    # Linear layers: "none" (fp32, token-identical to transformers: the offline default the golden test
+    # pins), "int8" / "int4" (GGUF-style blocks, the C++ kernel), "auto" (the rule in workers.models.linear;
+    # what `kvgate serve` uses unless told otherwise).
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError("quantization int8/int4/auto runs on the CPU only; use 'none' on CUDA")
+        if self.quantization in ("int8", "int4") and self.dtype != "float32":
+            raise ValueError(f"quantization {self.quantization} computes in float32; got dtype {self.dtype!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

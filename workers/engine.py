@@ -137,8 +137,10 @@ def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) 
 
 
 def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | None,
-                cfg: EngineConfig) -> tuple[LlamaForCausalLM, int]:
-    from workers.models.loader import build_model as _build
+                cfg: EngineConfig, gguf: Path | None = None) -> tuple[LlamaForCausalLM, int]:
+    """The model with ``cfg.model.quantization`` applied (``gguf``: the source file, whose own quantized
+    blocks the quantized modes keep)."""
+    from workers.models.loader import apply_quantization, build_model as _build
 
     if cfg.model.num_threads:
         torch.set_num_threads(cfg.model.num_threads)
@@ -146,12 +148,13 @@ def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | No
     if max_len > llama_cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's {llama_cfg.max_position_embeddings}")
     model = _build(llama_cfg, state_dict, max_len, _DTYPES[cfg.model.dtype], torch.device(cfg.model.device))
+    log.info("linear layers: %s", apply_quantization(model, cfg.model, gguf))
     return model, max_len
 
 
 def engine_from_config(cfg: EngineConfig, progress: StartupProgress | None = None) -> tuple[LLMEngine, Path]:
     """Resolve, load, wrap and warm up the configured model; returns the engine and the model's directory."""
-    from workers.model_files import resolve
+    from workers.model_files import gguf_source, resolve
     from workers.models.loader import load_state_dict, read_config
 
     progress = progress or StartupProgress("engine")
@@ -161,7 +164,7 @@ def engine_from_config(cfg: EngineConfig, progress: StartupProgress | None = Non
         llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
         state_dict = load_state_dict(files.directory)
     with progress.step(f"building the model ({cfg.model.dtype}, {cfg.model.device})"):
-        model, max_len = build_model(llama_cfg, state_dict, cfg)
+        model, max_len = build_model(llama_cfg, state_dict, cfg, gguf_source(cfg.model.model))
     with progress.step("allocating the KV cache and loading attention kernels"):
         engine = engine_from_model(model, cfg, max_len)
     with progress.step("warming up"):

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from workers.config import ModelConfig
 from workers.model_files import resolve  # noqa: F401  (re-exported for callers)
 from workers.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
 
@@ -100,3 +101,22 @@ def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: i
     # Rope tables stay fp32 (built after the cast, so they never pass through a lower precision).
     model.rotary = Rotary(cfg, max_len).to(device)
     return model.eval()
+
+
+def apply_quantization(model: LlamaForCausalLM, cfg: ModelConfig, gguf: Path | None) -> str:
+    """Swap the model's linears for the configured quantized ones (in place); returns the mode that runs
+    (``auto`` resolved by the rule in ``workers.models.linear``). ``gguf``: the file the weights came from,
+    whose own blocks are kept where they map."""
+    from kernels_cupy.cpu.qgemm import load_qgemm
+    from workers.models.gguf_blocks import gguf_linear_blocks, layer_bits
+    from workers.models.linear import quantize_linears, resolve_mode
+
+    if cfg.quantization == "none" or (cfg.quantization == "auto" and cfg.dtype != "float32"):
+        return "none"
+    kernel = load_qgemm()
+    if resolve_mode(cfg.quantization, kernel, None) == "none":
+        return "none"  # auto on a CPU without a SIMD path: the GGUF need not even be read
+    blocks = gguf_linear_blocks(gguf, model.cfg) if gguf is not None else {}
+    mode = resolve_mode(cfg.quantization, kernel, layer_bits(blocks))
+    quantize_linears(model, mode, blocks, kernel)
+    return mode

@@ -1,0 +1,35 @@
+"""The block-quantized GEMM (``qgemm.cpp``), built once with torch's cpp_extension like the attention kernel.
+
+One binary carries AVX-512 VNNI, AVX2 and scalar paths and picks one at run time from the CPU's features,
+so a build cache shared between machines never runs an instruction the CPU lacks (no ``-march=native``).
+``KVGATE_CPU_KERNEL=0`` switches it off (the quantized linears then fall back to de-quantized fp32 weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+_DIR = Path(__file__).parent
+
+
+@functools.lru_cache(maxsize=1)
+def load_qgemm() -> Any | None:
+    """The compiled module, or None (logged once) where it cannot be had."""
+    if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as _load
+
+        mod = _load(name="kvgate_cpu_qgemm", sources=[str(_DIR / "qgemm.cpp")],
+                    extra_include_paths=[str(_DIR)], extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("quantized GEMM kernel: %s path", mod.isa())
+        return mod
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback path
+        log.warning("quantized GEMM kernel unavailable (%s); quantized linears use de-quantized weights", e)
+        return None

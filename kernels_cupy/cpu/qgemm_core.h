@@ -1,0 +1,140 @@
+// Block-quantized GEMM for the CPU, torch-free so a plain C++ harness can test every instruction-set path
+// (bench/qgemm_isa_check.cpp). qgemm.cpp binds it to torch.
+//
+// Weights (N, K) in blocks of 32 along K, K % 32 == 0:
+//   bits 4 (Q4_1; Q4_0 maps onto it with m = -8 d): wq (N, K/2) u8 codes in GGUF nibble order,
+//          wd (N, K/32) fp32 scales, wm (N, K/32) fp32 minimums: w = d * code + m
+//   bits 8 (Q8_0):                                   wq (N, K) int8 codes, wd (N, K/32) fp32: w = d * code
+// Activations are quantized per row and block of 32 to int8 (see qgemm_impl.h).
+//
+// Paths, picked once at run time from the CPU's features (KVGATE_QGEMM_ISA=scalar|avx2|vnni narrows it,
+// for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace qgemm {
+
+struct QArgs {
+  int64_t M, N, K, bits;
+  const int8_t* qa;    // (M, K) activation codes
+  const float* sa;     // (M, K/32) activation scales
+  const float* xsum;   // (M, K/32) per-block sums of the quantized x (scale * sum of codes)
+  const uint8_t* wq;   // weight codes, see above
+  const float* wd;     // (N, K/32)
+  const float* wm;     // (N, K/32) or null (bits 8)
+  const float* bias;   // (N,) or null
+  float* out;          // (M, N)
+};
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+
+namespace scalar {
+static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* scale, float* xsum) {
+  const int64_t nb = K / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = d != 0.f ? 1.0f / d : 0.f;
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int8_t c = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        q[r * K + b * 32 + i] = c;
+        s += c;
+      }
+      scale[r * nb + b] = d;
+      xsum[r * nb + b] = d * static_cast<float>(s);
+    }
+  }
+}
+
+static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        const int8_t* x = a.qa + m * a.K + b * 32;
+        for (int i = 0; i < 32; ++i) {
+          int code;
+          if (a.bits == 4) {
+            const uint8_t byte = a.wq[n * (a.K / 2) + b * 16 + (i % 16)];
+            code = i < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            code = static_cast<int8_t>(a.wq[n * a.K + b * 32 + i]);
+          }
+          dot += code * x[i];
+        }
+        acc += static_cast<float>(dot) * a.wd[n * nb + b] * a.sa[m * nb + b];
+        if (a.bits == 4) acc += a.wm[n * nb + b] * a.xsum[m * nb + b];
+      }
+      a.out[m * a.N + n] = acc + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define QG_VNNI 0
+#include "qgemm_impl.h"
+#undef QG_VNNI
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+#define QG_VNNI 1
+#include "qgemm_impl.h"
+#undef QG_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+static Isa detect_isa() {
+  __builtin_cpu_init();
+  Isa best = kScalar;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = kAvx2;
+  if (best == kAvx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw"))
+    best = kVnni;
+  const char* want = std::getenv("KVGATE_QGEMM_ISA");  // can only narrow: never a path the CPU lacks
+  if (want && std::strcmp(want, "scalar") == 0) return kScalar;
+  if (want && std::strcmp(want, "avx2") == 0 && best >= kAvx2) return kAvx2;
+  return best;
+}
+
+static Isa isa() {
+  static const Isa chosen = detect_isa();
+  return chosen;
+}
+
+static inline const char* isa_name(Isa i) { return i == kVnni ? "avx512-vnni" : i == kAvx2 ? "avx2" : "scalar"; }
+
+static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* s, float* xsum) {
+  switch (isa()) {
+    case kVnni: vnni::quantize_rows(x, rows, K, q, s, xsum); break;
+    case kAvx2: avx2::quantize_rows(x, rows, K, q, s, xsum); break;
+    default: scalar::quantize_rows(x, rows, K, q, s, xsum); break;
+  }
+}
+
+// Output columns [n0, n1) for all rows; callers split N across threads.
+static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
+  switch (isa()) {
+    case kVnni: vnni::gemm(a, n0, n1); break;
+    case kAvx2: avx2::gemm(a, n0, n1); break;
+    default: scalar::gemm(a, n0, n1); break;
+  }
+}
+
+}  // namespace qgemm

@@ -1,0 +1,131 @@
+// Block-quantized GEMM body: out (M, N) = x (M, K) @ W (N, K)^T, W in GGUF-style blocks of 32 along K.
+// Included once per instruction set by qgemm.cpp, inside its own namespace and `#pragma GCC target`
+// region, so one binary carries an AVX2 and an AVX-512 VNNI build and picks one at run time. QG_VNNI
+// selects the int8 dot-product instruction. No STL here: templates instantiated under a target pragma
+// would clash with the same instantiations elsewhere.
+//
+// Arithmetic (llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 scheme): each row of x is quantized per block of 32 to
+// int8 with scale sa = amax / 127; a weight block holds d (and, for Q4_1, m) and 32 codes; then
+//   sum_i w_i x_i ~= d * sa * sum_i(q_i * qa_i) + m * sa * sum_i(qa_i)
+// which is exactly W . x_hat (x_hat = sa * qa): the error is W times the rounding of x. (Pairing the min
+// term with the exact sum of x instead leaves the error on the codes alone, d * q = w - m, which for
+// Q4_1's unsigned codes is several times larger than w.)
+
+static constexpr int QK = 32;
+
+// 32 floats -> 32 int8 codes, their scale and the block sum of the quantized values (scale * sum of codes).
+static inline void quantize_block(const float* x, int8_t* q, float* scale, float* xsum) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+  // The sum of the block's codes, so a Q4 block's min term sees the same (quantized) x as its code term.
+  const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+  // packs work per 128-bit lane: the permute restores element order.
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  *scale = d;
+  *xsum = d * static_cast<float>(_mm_cvtsi128_si32(is4));
+}
+
+static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* scale, float* xsum) {
+  const int64_t nb = K / QK;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      quantize_block(x + r * K + b * QK, q + r * K + b * QK, scale + r * nb + b, xsum + r * nb + b);
+}
+
+// u8 x s8 -> 8 int32 partial sums of 4 products each.
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if QG_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 bytes of Q4 codes -> 32 u8; GGUF order: low nibbles are elements 0..15, high nibbles 16..31.
+static inline __m256i expand_q4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  return _mm256_set_m128i(hi, lo);
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// R activation rows against one weight row; every weight block is decoded once and used R times.
+template <int R, bool Q4>
+static inline void micro(const QArgs& a, int64_t m0, int64_t n) {
+  const int64_t nb = a.K / QK;
+  const uint8_t* w = a.wq + n * (Q4 ? a.K / 2 : a.K);
+  const float* wd = a.wd + n * nb;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = Q4 ? expand_q4(w + b * (QK / 2))
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+    const __m256i wu = Q4 ? wv : _mm256_sign_epi8(wv, wv);  // Q8_0: |w| as u8, sign moved onto x
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + row * a.K + b * QK));
+      const __m256i xs = Q4 ? xv : _mm256_sign_epi8(xv, wv);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[b] * a.sa[row * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m0 + r;
+    float v = hsum(acc[r]);
+    if (Q4) v += dot_f32(a.wm + n * nb, a.xsum + row * nb, nb);
+    if (a.bias) v += a.bias[n];
+    a.out[row * a.N + n] = v;
+  }
+}
+
+template <bool Q4>
+static void gemm_rows(const QArgs& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) micro<4, Q4>(a, m, n);
+    switch (a.M - m) {
+      case 3: micro<3, Q4>(a, m, n); break;
+      case 2: micro<2, Q4>(a, m, n); break;
+      case 1: micro<1, Q4>(a, m, n); break;
+      default: break;
+    }
+  }
+}
+
+static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
+  if (a.bits == 4) gemm_rows<true>(a, n0, n1);
+  else gemm_rows<false>(a, n0, n1);
+}

@@ -1,0 +1,196 @@
+"""Quantized linears (``--quantization int8|int4``): block formats against gguf's own reference code, the C++
+kernel against its exact arithmetic on every instruction-set path this CPU has, and whole tiny models in each
+mode against their reference (the fp32 model with the de-quantized weights) within a stated logit tolerance.
+
+Tolerances, and why:
+- kernel vs its exact arithmetic (int8 activations, exact int32 block dots): 1e-5 of the output scale; only
+  fp32 summation order differs.
+- a quantized model vs its reference: RMS logit difference <= 2% and max <= 10% of the reference logits'
+  standard deviation. The only approximation is int8 activations per block of 32 (rounding error <= 1/254
+  of the block's largest value), which compounds through the layers; the tiny models below land at ~1.1%
+  RMS and ~5.5% max (measured over 70 positions x 512 logits).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels_cupy.cpu.qgemm import load_qgemm
+from kernels_cupy.torch_ref import TorchAttentionBackend
+from tests.tiny import hf_model
+from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.core.scheduler import SchedulerConfig
+from workers.engine import build_model
+from workers.models.gguf_blocks import rope_row_order
+from workers.models.linear import BlockLinear, quantize_linears, resolve_mode
+from workers.models.llama import LlamaConfig
+from workers.models.quant import BlockWeight, dequantize, fake_quantize_activations, from_gguf, quantize
+from workers.models.scoring import sequence_logits
+
+RMS_TOLERANCE, MAX_TOLERANCE = 0.02, 0.10  # of the reference logits' std, see the module docstring
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    mod = load_qgemm()
+    if mod is None:
+        if os.environ.get("KVGATE_CPU_KERNEL") == "0":
+            pytest.skip("CPU kernels switched off with KVGATE_CPU_KERNEL=0")
+        pytest.fail("the quantized GEMM kernel failed to build on a machine that has the toolchain")
+    return mod
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_as_gguf_does(type_name: str) -> None:
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    qtype = GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(w, qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    got = dequantize(from_gguf(raw, type_name, 6, 96))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_error_is_within_half_a_step(bits: int) -> None:
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
+    q = quantize(w, bits)
+    err = (dequantize(q) - w).abs().reshape(16, 4, 32).amax(-1)  # (N, NB)
+    assert bool((err <= q.d * 0.5 + 1e-6).all())
+
+
+def test_rope_row_order_is_transformers_reverse_permutation() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    for n, heads in ((576, 9), (192, 3), (64, 4)):
+        rows = np.arange(n)[:, None].astype(np.float32)
+        expected = LlamaTensorProcessor(config={})._reverse_permute_weights(rows, heads)[:, 0]
+        assert rope_row_order(n, heads).tolist() == expected.astype(int).tolist()
+
+
+def _exact(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in fp64: int8 activations per block of 32 against the exact weights."""
+    out = fake_quantize_activations(x).double() @ dequantize(w).double().T
+    return (out + (0 if bias is None else bias.double())).float()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 17, 96), (4, 64, 576), (9, 33, 160), (37, 8, 32)])
+def test_kernel_matches_its_exact_arithmetic(kernel, bits: int, m: int, n: int, k: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(m * 1000 + n + k + bits)
+    w = quantize(torch.randn(n, k, generator=g) * 0.1, bits)
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0.0  # an all-zero block: scale 0 must not divide by zero
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        got = kernel.qlinear(x, w.codes, w.d, w.m, b, bits)
+        ref = _exact(x, w, b)
+        assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+_ISA_CHECK = """
+import torch
+from kernels_cupy.cpu.qgemm import load_qgemm
+from workers.models.quant import quantize
+mod = load_qgemm()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(5, 96, generator=g)
+outs = []
+for bits in (4, 8):
+    w = quantize(torch.randn(19, 96, generator=g), bits)
+    outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits))
+torch.save(torch.cat(outs, 1), __import__("sys").argv[1])
+print(mod.isa())
+"""
+
+
+def test_every_isa_path_agrees(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The scalar path, AVX2 and (where the CPU has it) VNNI give the same results; each runs in its own
+    process because the path is chosen once per process."""
+    results = {}
+    for isa in ("scalar", "avx2", "best"):
+        out = tmp_path / f"{isa}.pt"
+        env = dict(os.environ, KVGATE_QGEMM_ISA=isa)
+        p = subprocess.run([sys.executable, "-c", _ISA_CHECK, str(out)], env=env, capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        results[p.stdout.strip()] = torch.load(out)
+    assert "scalar" in results
+    ref = results["scalar"]
+    for isa, got in results.items():
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), isa
+
+
+def test_block_linear_falls_back_to_its_reference_without_the_kernel() -> None:
+    w = quantize(torch.randn(24, 64), 4)
+    bias = torch.randn(24)
+    layer = BlockLinear(w, bias, kernel=None)
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), F.linear(x, dequantize(w), bias))
+
+
+def _tiny(mode: str, kernel, seed: int = 0, **hf_overrides: object):  # type: ignore[no-untyped-def]
+    hf = hf_model(seed, initializer_range=0.05, **hf_overrides)
+    cfg = EngineConfig(ModelConfig("tiny"), CacheConfig(4, 4096), SchedulerConfig(8, 64))
+    model, _ = build_model(LlamaConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), cfg)
+    quantize_linears(model, mode, {}, kernel)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"attention_bias": True}])
+def test_quantized_model_matches_its_reference(kernel, mode: str, overrides: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.randint(4, 512, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    quant = _tiny(mode, kernel, **overrides)
+    ref = _tiny(mode, None, **overrides)  # same blocks, run as fp32 de-quantized weights
+    for layer in quant.modules():
+        if isinstance(layer, BlockLinear):
+            assert layer.dense is None  # the kernel really runs
+    backend = TorchAttentionBackend()
+    got = sequence_logits(quant, ids, backend, chunk=32)
+    want = sequence_logits(ref, ids, backend, chunk=32)
+    diff, scale = got - want, want.std().item()
+    assert diff.pow(2).mean().sqrt().item() <= RMS_TOLERANCE * scale
+    assert diff.abs().max().item() <= MAX_TOLERANCE * scale
+
+
+def test_mode_none_leaves_the_model_alone(kernel) -> None:  # type: ignore[no-untyped-def]
+    model = _tiny("none", kernel)
+    assert not any(isinstance(m, BlockLinear) for m in model.modules())
+
+
+def test_auto_rule() -> None:
+    class Fake:
+        def __init__(self, isa: str) -> None:
+            self._isa = isa
+
+        def isa(self) -> str:
+            return self._isa
+
+    assert resolve_mode("auto", None, 4) == "none"  # no kernel
+    assert resolve_mode("auto", Fake("scalar"), 4) == "none"  # no SIMD path: fp32 BLAS is faster
+    assert resolve_mode("auto", Fake("avx2"), 4) == "int4"  # a Q4 GGUF runs its own blocks
+    assert resolve_mode("auto", Fake("avx512-vnni"), 8) == "int8"
+    assert resolve_mode("auto", Fake("avx2"), None) == "int8"  # fp32 checkpoint: near-lossless
+    assert resolve_mode("int4", None, None) == "int4"
+    with pytest.raises(ValueError):
+        resolve_mode("fp8", None, None)
+
+
+def test_config_validates_quantization() -> None:
+    with pytest.raises(ValueError):
+        ModelConfig(quantization="int3")
+    with pytest.raises(ValueError):
+        ModelConfig(quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError):
+        ModelConfig(quantization="int4", device="cuda")
+    assert ModelConfig().quantization == "none"
