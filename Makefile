@@ -44,5 +44,10 @@ test-fast: setup
 bench: setup
 	$(PY) bench/offline_throughput.py
 
+# Every chaos drill at its full size, each on a fresh deployment (smollm2, loopback); verdicts as a table and JSON.
+.PHONY: chaos
+chaos: setup redis-server
+	$(VENV)/bin/kvgate chaos run all --json-out chaos-results.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -111,9 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         from workers.cli import main as engine_main
 
         return engine_main(argv)
+    if argv[:1] == ["chaos"]:  # drills against a deployment: Typer + Rich, loaded only when asked for
+        from chaos.cli import main as chaos_main
+
+        return chaos_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvgate", description="multi-tenant LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     sub.add_parser("worker", help="run one engine replica connected to a gateway (kvgate worker -h)")
     sub.add_parser("generate", help="stream a completion in-process, no server (kvgate generate -h)")
+    sub.add_parser("chaos", help="drills that break a deployment on purpose (kvgate chaos --help)")
     return cmd_serve(parser.parse_args(argv))
