@@ -27,8 +27,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
     p.add_argument("--max-queued-prompt-tokens", type=int, default=262_144, help="per worker, before 503")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without Stats: worker dead")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="seconds without any frame from a worker: frozen (its requests fail; a local one restarts)")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one engine step may run before the worker counts as hung (as frozen)")
     p.add_argument("--sse-ping-interval", type=float, default=10.0)
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from this origin (scheme://host[:port], or '*') call the API from a "
+                        "browser; repeatable; default: none (CORS off)")
     t = p.add_argument_group("tenancy")
     t.add_argument("--db", default=os.environ.get("KVGATE_DB", "kvgate.db"),
                    help="SQLite store of tenants, keys, quotas and usage (env KVGATE_DB)")
@@ -47,7 +53,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default: each worker sizes it to its machine)")
+    g.add_argument("--target-step-ms", type=float, default=None,
+                   help="step time the sized budget aims at (default: 500 on a CPU, 100 on a GPU)")
     o = p.add_argument_group("observability")
     o.add_argument("--gpu-hour-cost", type=float, default=None,
                    help="price of one worker (GPU) per hour; /metrics then shows kvgate:cost_per_1k_tokens")
@@ -67,15 +76,16 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
 
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
-        zmq_bind=a.zmq_bind, max_body_bytes=a.max_body_bytes,
+        zmq_bind=a.zmq_bind, max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin),
         tenancy=TenancyConfig(db_path=a.db, admin_token=a.admin_token, redis_url=a.redis_url,
                               redis_fail_open=a.redis_fail_open,
                               auth_failures_per_minute=a.auth_failures_per_minute,
                               demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
-                          a.max_num_batched_tokens),
+                          a.max_num_batched_tokens, a.target_step_ms),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
+                            step_timeout=a.step_timeout,
                             sse_ping_interval=a.sse_ping_interval),
         observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None,
                                           log_format=a.log_format))

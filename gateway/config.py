@@ -6,7 +6,10 @@ The engine knobs are not interpreted here: they are passed through to every loca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
 @dataclass(frozen=True)
@@ -19,17 +22,20 @@ class EngineArgs:
     kv_cache_tokens: int | None = None
     block_size: int | None = None
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: each worker sizes it to its machine (--target-step-ms)
+    target_step_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "target_step_ms"):
             v = getattr(self, name)
-            if v is not None and v < 1:
+            if v is not None and not 1 <= v < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
     def argv(self) -> list[str]:
         out = ["--device", self.device, "--dtype", self.dtype]
-        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "target_step_ms"):
             v = getattr(self, name)
             if v is not None:
                 out += [f"--{name.replace('_', '-')}", str(v)]
@@ -55,7 +61,8 @@ class AdmissionConfig:
 @dataclass(frozen=True)
 class TimingConfig:
     request_timeout: float | None = None  # seconds per request, None: no deadline
-    heartbeat_timeout: float = 3.0  # a worker silent this long (no Stats) is declared dead
+    heartbeat_timeout: float = 3.0  # a worker with no frame at all this long is frozen (its I/O thread is)
+    step_timeout: float = 300.0  # one engine step running longer than this: hung (treated as frozen)
     sse_ping_interval: float = 10.0  # ": ping" comment while a stream waits for its next token
     ipc_send_timeout: float = 5.0  # every send to a worker is bounded; past it the worker is declared dead
     restart_backoff_initial: float = 0.5
@@ -64,7 +71,7 @@ class TimingConfig:
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
-        for name in ("heartbeat_timeout", "sse_ping_interval", "ipc_send_timeout", "restart_backoff_initial",
+        for name in ("heartbeat_timeout", "step_timeout", "sse_ping_interval", "ipc_send_timeout", "restart_backoff_initial",
                      "restart_backoff_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -115,6 +122,7 @@ class GatewayConfig:
     workers: int = 1  # local worker subprocesses to spawn and supervise (0: external workers only)
     zmq_bind: str = "tcp://127.0.0.1:0"
     max_body_bytes: int = 4 * 1024 * 1024
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); empty: CORS off
     engine: EngineArgs = field(default_factory=EngineArgs)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
@@ -128,6 +136,10 @@ class GatewayConfig:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        for origin in self.cors_origins:
+            # An origin is scheme://host[:port] exactly as browsers send it: a path or a trailing slash never matches.
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"--cors-origin must be '*' or scheme://host[:port] (no path), got {origin!r}")
 
     @property
     def model_name(self) -> str:

@@ -2,10 +2,13 @@
 
 The pool's receive loop must never block on a slow client, so it only appends to ``RequestHandle`` (sync,
 O(1)); the request's consumer (a route handler or an SSE producer task) takes everything pending at once.
-The buffer is bounded by construction: a worker sends at most ``max_tokens`` tokens for a request.
+Outputs travel in a Trio memory channel, bounded by construction: a worker sends at most ``max_tokens`` tokens
+for a request.
 """
 
 from __future__ import annotations
+
+import math
 
 import trio
 
@@ -30,25 +33,33 @@ class RequestHandle:
         self.finished = False  # the worker sent a finish_reason (its KV blocks are already free)
         self.released = False  # the pool no longer routes outputs here
         self.last_token_at: float | None = None  # trio time the last token-bearing output arrived (for ITL)
-        self._pending: list[RequestOutputMsg] = []
         self._failure: RequestFailed | None = None
-        self._event = trio.Event()
+        # Unbounded on purpose, bounded by construction: the pool's receive loop must never wait on one slow
+        # client, and a worker sends at most one output per generated token (max_tokens) plus the finish.
+        self._tx, self._rx = trio.open_memory_channel[RequestOutputMsg](math.inf)
 
     # ---- producer side (the pool; sync, never blocks) ------------------------------------------
 
     def push(self, out: RequestOutputMsg) -> None:
         if self.finished or self._failure is not None:
             return  # late frames after a finish or failure carry nothing we can still use
-        self._pending.append(out)
+        try:
+            self._tx.send_nowait(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # the consumer is gone
         if out.finish_reason is not None:
             self.finished = True
-        self._event.set()
+            self._tx.close()  # the consumer drains what is left, then sees the end
 
     def fail(self, code: str, message: str) -> None:
         if self.finished or self._failure is not None:
             return
         self._failure = RequestFailed(code, message)
-        self._event.set()
+        self._tx.close()
+
+    def close(self) -> None:
+        """The consumer is done (called by the pool's release): drop what nobody will read."""
+        self._rx.close()
 
     # ---- consumer side ------------------------------------------------------------------------
 
@@ -56,16 +67,18 @@ class RequestHandle:
         """Everything the worker sent since the last call (waits for at least one output).
 
         Raises RequestFailed once pending outputs are consumed and the request has failed."""
-        while not self._pending:
-            if self._failure is not None:
-                raise self._failure
-            await self._event.wait()
-            self._event = trio.Event()
-        outs, self._pending = self._pending, []
-        return outs
+        try:
+            outs = [await self._rx.receive()]
+        except trio.EndOfChannel:
+            raise self._failure or RequestFailed("internal_error", "no output after the request finished") from None
+        while True:
+            try:
+                outs.append(self._rx.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return outs
 
     def num_pending(self) -> int:
-        return len(self._pending)
+        return self._rx.statistics().current_buffer_used
 
     def has_pending(self) -> bool:
-        return bool(self._pending) or self._failure is not None
+        return self.num_pending() > 0 or self._failure is not None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import trio
+
 from gateway.pool import WorkerPool
 from gateway.worker_state import WorkerState
 from ipc.messages import Stats
@@ -55,6 +57,46 @@ def _cost(model_name: str, worker_seconds: float, gpu_hour_cost: float, billed_t
             "# TYPE kvgate:cost_per_1k_tokens gauge", f"kvgate:cost_per_1k_tokens{m} {_num(per_1k)}"]
 
 
+_HEALTH_STATES = ("idle", "busy", "slow")
+
+
+def _liveness(pool: WorkerPool, workers: list[WorkerState], model_name: str) -> list[str]:
+    """Step progress and health per worker (slow is load, never a failure), the step budget each chose, the
+    send queue per worker, and the workers lost by kind (dead, frozen, hung, ...)."""
+    now = trio.current_time()
+    lines = ["# HELP kvgate:worker_health 1 for the worker's current state: idle, busy (a step runs) or slow "
+             "(a step has run over 1 s; heartbeats still arrive).", "# TYPE kvgate:worker_health gauge"]
+    for w in workers:
+        health = w.health(now)
+        lines += [f"kvgate:worker_health{_labels(model_name=model_name, worker=w.worker_id, state=st)} "
+                  f"{int(st == health)}" for st in _HEALTH_STATES]
+    lines += ["# HELP kvgate:worker_step_seconds How long the worker's current engine step has run (0 between "
+              "steps).", "# TYPE kvgate:worker_step_seconds gauge"]
+    lines += [f"kvgate:worker_step_seconds{_labels(model_name=model_name, worker=w.worker_id)} "
+              f"{_num(w.step_elapsed(now) or 0.0)}" for w in workers]
+    lines += ["# HELP kvgate:worker_steps_total Engine steps the worker has completed.",
+              "# TYPE kvgate:worker_steps_total counter"]
+    lines += [f"kvgate:worker_steps_total{_labels(model_name=model_name, worker=w.worker_id)} {w.stats.steps_done}"
+              for w in workers if w.stats is not None]
+    lines += ["# HELP kvgate:worker_max_num_batched_tokens The worker's token budget per step (set, or sized to "
+              "its machine at start).", "# TYPE kvgate:worker_max_num_batched_tokens gauge"]
+    lines += [f"kvgate:worker_max_num_batched_tokens{_labels(model_name=model_name, worker=w.worker_id)} "
+              f"{w.hello.max_num_batched_tokens}" for w in workers]
+    lines += ["# HELP kvgate:ipc_send_queue Messages queued for the worker's sender (bounded).",
+              "# TYPE kvgate:ipc_send_queue gauge"]
+    lines += [f"kvgate:ipc_send_queue{_labels(model_name=model_name, worker=w.worker_id)} {w.outbox_depth()}"
+              for w in workers]
+    lines += ["# HELP kvgate:workers_lost_total Workers given up on, by kind: exited, goodbye, send_failed, "
+              "frozen (no frame for the heartbeat timeout), hung (a step past the step timeout), replaced.",
+              "# TYPE kvgate:workers_lost_total counter"]
+    lines += [f"kvgate:workers_lost_total{_labels(model_name=model_name, kind=k)} {pool.losses[k]}"
+              for k in ("exited", "goodbye", "send_failed", "frozen", "hung", "replaced")]
+    lines += ["# HELP kvgate:reconciled_aborts_total Requests a worker held that this gateway did not track "
+              "(given up on, or from before a restart), aborted.", "# TYPE kvgate:reconciled_aborts_total counter",
+              f"kvgate:reconciled_aborts_total{_labels(model_name=model_name)} {pool.reconciled_aborts}"]
+    return lines
+
+
 def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None, billed_tokens: int = 0) -> str:
     lines: list[str] = []
     workers: list[WorkerState] = sorted(pool.workers.values(), key=lambda w: w.worker_id)
@@ -71,6 +113,7 @@ def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None
     for w in workers:
         lines.append(f"kvgate:gateway_requests_in_flight{_labels(model_name=model_name, worker=w.worker_id)} "
                      f"{len(w.requests)}")
+    lines += _liveness(pool, workers, model_name)
     aborts = pool.pending_aborts()
     lines += ["# HELP kvgate:ipc_pending_outputs Worker outputs received but not yet taken by their clients.",
               "# TYPE kvgate:ipc_pending_outputs gauge"]

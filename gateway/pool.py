@@ -2,11 +2,17 @@
 
 ``WorkerPool`` is the single owner of the worker table, the in-flight request table and the socket. Its tasks
 (started with ``nursery.start(pool.run)``): one receiver (the only reader of the socket) dispatching worker
-messages to request handles, one monitor declaring silent workers dead, one aborter batching Abort frames.
-Route handlers call ``submit`` (async: sends Generate) and ``release`` (sync: safe in any ``finally``).
+messages to request handles, one monitor telling frozen and hung workers from slow ones, and one sender per
+live worker (``gateway.worker_link``). Route handlers call ``submit`` and ``release`` (sync: safe in any
+``finally``); neither ever waits on a socket.
 
-A worker is alive from its Hello until its process exits (told by the supervisor), it says Goodbye, it misses
-heartbeats for ``heartbeat_timeout`` or a send to it fails; then every request on it fails at once.
+A worker is alive from its Hello until it is *dead* (its process exited, it said Goodbye, or a send to it
+failed), *frozen* (no frame at all for ``heartbeat_timeout``: its I/O thread, which heartbeats whatever the
+engine does, is stopped) or *hung* (its heartbeats say one step has run past ``step_timeout``); then every
+request on it fails at once, and a frozen or hung worker the supervisor started is killed and restarted. A
+*slow* worker (heartbeats arrive, a step runs long) is only load. The worker's heartbeats list the requests it
+holds; any the gateway does not track (given up on, released while the Abort was in flight, or from a gateway
+that restarted) is aborted, so a worker heard from again never runs work for nobody.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable
 
 import trio
@@ -23,15 +29,17 @@ from gateway.config import AdmissionConfig, TimingConfig
 from gateway.errors import unavailable
 from gateway.handle import RequestFailed, RequestHandle
 from gateway.routing import Router, prefix_keys
+from gateway.worker_link import Outgoing, open_outbox, run_sender
 from gateway.worker_state import NoObserver, PoolObserver, WorkerState
-from ipc.messages import (Abort, GatewayToWorker, Generate, Goodbye, Hello, RequestError, SamplingValue,
-                          Shutdown, Stats, StepOutputs, WorkerToGateway)
-from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_send
+from ipc.messages import (Abort, Generate, Goodbye, Hello, RequestError, SamplingValue, Shutdown, Stats,
+                          StepOutputs, WorkerToGateway)
+from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_try_send
 
 log = logging.getLogger("kvgate.gateway.pool")
 
 MONITOR_INTERVAL_S = 0.25
 _EWMA_ALPHA = 0.2  # weight of the newest request duration in the service-time average
+REABORT_AFTER_S = 2.0  # a request the worker still lists this long after its Abort was queued is aborted again
 
 
 class WorkerPool:
@@ -43,36 +51,39 @@ class WorkerPool:
         self.timing = timing
         self.router = Router(admission)
         self._restart_eta = restart_eta  # the supervisor's estimate of when a worker comes (back) up
-        self._send_lock = trio.StrictFIFOLock()  # TrioZmqSocket allows one sender at a time
+        # Kills a local worker process the monitor gave up on (set by the supervisor); True if it was ours.
+        self.kill_local: Callable[[str, int], bool] = lambda worker_id, pid: False
         self.workers: dict[str, WorkerState] = {}
         self._requests: dict[str, RequestHandle] = {}
-        self._aborts: defaultdict[str, set[str]] = defaultdict(set)  # worker id -> request ids to abort
-        self._abort_wakeup = trio.Event()
+        self._nursery: trio.Nursery | None = None  # runs the per-worker senders
         self._known_hellos: dict[str, Hello] = {}  # last Hello per worker id: lets a worker we gave up on rejoin
         self._exited_pids: set[int] = set()  # local workers whose process is gone: never revive those
         self._refused: set[str] = set()  # worker ids already warned about (wrong model)
         self.hello_times: dict[int, float] = {}  # pid -> trio time of its first Hello (the supervisor pops it)
         self.observer: PoolObserver = observer or NoObserver()
         self._retired_worker_seconds = 0.0  # live time of workers that are gone
+        self.losses: Counter[str] = Counter()  # workers lost, by kind: exited, goodbye, send_failed, frozen, hung
+        self.reconciled_aborts = 0  # requests a worker held that this gateway did not track, aborted
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._receive_loop)
             nursery.start_soon(self._monitor_loop)
-            nursery.start_soon(self._abort_loop)
             task_status.started()
 
     async def shutdown_workers(self, worker_ids: set[str]) -> None:
-        """Best effort: tell these workers to exit now (running requests are dropped). Workers started by
-        hand are left alone: they outlive a gateway restart and re-introduce themselves to the next one."""
-        with trio.move_on_after(1.0):
-            for w in [w for w in self.workers.values() if w.worker_id in worker_ids]:
-                try:
-                    await self._send_raw(w, Shutdown())
-                except (PeerUnreachable, trio.TooSlowError, trio.ClosedResourceError):
-                    pass
+        """Best effort, never waiting: tell these workers to exit now (running requests are dropped). Workers
+        started by hand are left alone: they outlive a gateway restart and re-introduce themselves to the
+        next one."""
+        for w in [w for w in self.workers.values() if w.worker_id in worker_ids]:
+            try:
+                router_try_send(self._sock, w.identity, Shutdown())
+            except (PeerUnreachable, trio.ClosedResourceError, trio.BusyResourceError):
+                pass
+        await trio.lowlevel.checkpoint()
 
     # ---- queries --------------------------------------------------------------------------------
 
@@ -94,8 +105,8 @@ class WorkerPool:
         return self._retired_worker_seconds + sum(now - w.joined for w in self.workers.values())
 
     def pending_aborts(self) -> dict[str, int]:
-        """Requests per worker waiting for their Abort to be sent (the gateway -> worker IPC backlog)."""
-        return {wid: len(ids) for wid, ids in self._aborts.items()}
+        """Requests per worker whose Abort was queued and that the worker has not yet confirmed gone."""
+        return {wid: len(w.aborting) for wid, w in self.workers.items()}
 
     def retry_after(self) -> float:
         """An honest estimate of when a refused request could be admitted."""
@@ -109,7 +120,8 @@ class WorkerPool:
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: dict[str, SamplingValue],
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
                      trace_context: dict[str, str] | None = None) -> RequestHandle:
-        """Pick a worker and send it the request. Raises APIError(503) when no worker can take it."""
+        """Pick a worker and queue the request for it. Raises APIError(503) when no worker can take it."""
+        await trio.lowlevel.checkpoint()
         if not self.workers:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
         keys = prefix_keys(cache_salt, prompt_ids)
@@ -117,16 +129,15 @@ class WorkerPool:
         if wid is None:
             raise unavailable("all workers are at capacity; retry later", self.retry_after())
         w = self.workers[wid]
+        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None)
+        try:
+            w.outbox.send_nowait(msg)
+        except trio.WouldBlock:  # the worker has not read its pipe for a while: it can't take more now
+            raise unavailable("the worker's queue is full; retry later", self.retry_after()) from None
         handle = RequestHandle(request_id, wid, len(prompt_ids))
         self._requests[request_id] = handle
         w.requests[request_id] = handle
         w.prompt_tokens += len(prompt_ids)
-        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None)
-        try:
-            await self._send(w, msg)
-        except BaseException:  # cancelled or failed: maybe sent, maybe not; Abort is idempotent either way
-            self.release(handle)
-            raise
         self.router.record(keys, wid)
         return handle
 
@@ -136,6 +147,7 @@ class WorkerPool:
         if handle.released:
             return
         handle.released = True
+        handle.close()
         self._requests.pop(handle.request_id, None)
         w = self.workers.get(handle.worker_id)
         if w is None or w.requests.pop(handle.request_id, None) is None:
@@ -145,47 +157,39 @@ class WorkerPool:
             d = trio.current_time() - handle.started
             w.service_time = d if w.service_time is None else (1 - _EWMA_ALPHA) * w.service_time + _EWMA_ALPHA * d
         else:
-            self._queue_abort(w.worker_id, handle.request_id)
+            self._queue_abort(w, [handle.request_id])
 
     def process_exited(self, worker_id: str, pid: int) -> None:
         """The supervisor saw a local worker process exit: fail its requests now, not after heartbeats."""
         self._exited_pids.add(pid)
         w = self.workers.get(worker_id)
         if w is not None and w.hello.pid == pid:
-            self._mark_dead(w, "process exited")
+            self._mark_dead(w, "process exited", "exited")
 
     # ---- internals: sending -------------------------------------------------------------------
 
-    async def _send_raw(self, w: WorkerState, msg: GatewayToWorker) -> None:
-        async with self._send_lock:
-            # Bounded: a worker whose pipe stays full this long is not reading; it is treated as dead.
-            with trio.fail_after(self.timing.ipc_send_timeout):
-                await router_send(self._sock, w.identity, msg)
-
-    async def _send(self, w: WorkerState, msg: GatewayToWorker) -> None:
+    def _queue_abort(self, w: WorkerState, request_ids: list[str]) -> None:
+        now = trio.current_time()
+        for rid in request_ids:
+            w.aborting[rid] = now
         try:
-            await self._send_raw(w, msg)
-        except (PeerUnreachable, trio.TooSlowError) as e:
-            self._mark_dead(w, f"send failed: {type(e).__name__}")
-            raise RequestFailed("worker_died", f"worker {w.worker_id} is unreachable") from e
+            w.outbox.send_nowait(Abort(request_ids))
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass  # not lost: the worker's next heartbeat lists these ids and reconciliation aborts them again
 
-    def _queue_abort(self, worker_id: str, request_id: str) -> None:
-        self._aborts[worker_id].add(request_id)
-        self._abort_wakeup.set()
+    def _start_worker(self, hello: Hello, identity: bytes) -> WorkerState:
+        now = trio.current_time()
+        tx, rx = open_outbox()
+        w = WorkerState(hello, identity, now, now, outbox=tx)
+        self.workers[hello.worker_id] = w
+        if self._nursery is not None:
+            self._nursery.start_soon(self._run_sender, w, rx)
+        return w
 
-    async def _abort_loop(self) -> None:
-        while True:
-            await self._abort_wakeup.wait()
-            self._abort_wakeup = trio.Event()
-            batch, self._aborts = self._aborts, defaultdict(set)
-            for wid, ids in batch.items():
-                w = self.workers.get(wid)
-                if w is None:
-                    continue  # gone: its KV went with it
-                try:
-                    await self._send(w, Abort(sorted(ids)))
-                except RequestFailed:
-                    pass  # _send already declared the worker dead
+    async def _run_sender(self, w: WorkerState, rx: trio.MemoryReceiveChannel[Outgoing]) -> None:
+        with w.sender_scope:  # cancelled when the worker is marked dead
+            await run_sender(self._sock, w.identity, rx, self.timing.ipc_send_timeout,
+                             lambda reason: self._mark_dead(w, reason, "send_failed"))
 
     # ---- internals: receiving -----------------------------------------------------------------
 
@@ -209,7 +213,7 @@ class WorkerPool:
                 return
         w.last_seen = trio.current_time()
         if isinstance(msg, Stats):
-            w.stats = msg
+            self._on_stats(w, msg)
         elif isinstance(msg, StepOutputs):
             self._on_step(w, msg)
         elif isinstance(msg, RequestError):
@@ -217,11 +221,26 @@ class WorkerPool:
             if h is not None:
                 h.fail(msg.code, msg.message)
         elif isinstance(msg, Goodbye):
-            self._mark_dead(w, f"said goodbye ({msg.reason})")
+            self._mark_dead(w, f"said goodbye ({msg.reason})", "goodbye")
+
+    def _on_stats(self, w: WorkerState, msg: Stats) -> None:
+        """Take the heartbeat, and reconcile: abort what the worker holds that nobody here waits for."""
+        now = trio.current_time()
+        w.stats, w.stats_at = msg, now
+        held = set(msg.request_ids)
+        w.aborting = {rid: t for rid, t in w.aborting.items() if rid in held}
+        unknown = [rid for rid in msg.request_ids if rid not in w.requests
+                   and now - w.aborting.get(rid, -math.inf) >= REABORT_AFTER_S]
+        if unknown:
+            self.reconciled_aborts += len(unknown)
+            log.info("worker %s holds %d requests this gateway does not track; aborting them", w.worker_id,
+                     len(unknown))
+            self._queue_abort(w, unknown)
 
     def _on_step(self, w: WorkerState, msg: StepOutputs) -> None:
         now = trio.current_time()
         self.observer.iteration(w.worker_id, msg.num_batched_tokens)
+        orphans: list[str] = []
         for out in msg.outputs:
             if out.timings is not None:  # also for requests nobody waits for: queue/prefill/decode are real
                 self.observer.engine_finished(w.worker_id, out.timings)
@@ -232,8 +251,10 @@ class WorkerPool:
                         self.observer.inter_token(w.worker_id, now - h.last_token_at)
                     h.last_token_at = now
                 h.push(out)
-            elif out.finish_reason is None:
-                self._queue_abort(w.worker_id, out.request_id)  # nobody waits for it: free its KV
+            elif out.finish_reason is None and out.request_id not in w.aborting:
+                orphans.append(out.request_id)  # nobody waits for it: free its KV
+        if orphans:
+            self._queue_abort(w, orphans)
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         if identity != hello.worker_id.encode():
@@ -250,30 +271,32 @@ class WorkerPool:
             old.hello, old.last_seen = hello, trio.current_time()  # same process re-introducing itself
             return
         if old is not None:
-            self._mark_dead(old, "replaced by a new process with the same id")
+            self._mark_dead(old, "replaced by a new process with the same id", "replaced")
         self._known_hellos[hello.worker_id] = hello
         if len(self.hello_times) < 1024:  # bounded: external workers' pids are never popped
             self.hello_times.setdefault(hello.pid, trio.current_time())
-        self.workers[hello.worker_id] = WorkerState(hello, identity, trio.current_time(), trio.current_time())
-        log.info("worker %s ready (pid %d, max_model_len %d, %d KV blocks of %d)", hello.worker_id, hello.pid,
-                 hello.max_model_len, hello.num_kv_blocks, hello.block_size)
+        self._start_worker(hello, identity)
+        log.info("worker %s ready (pid %d, max_model_len %d, %d KV blocks of %d, step budget %d tokens)",
+                 hello.worker_id, hello.pid, hello.max_model_len, hello.num_kv_blocks, hello.block_size,
+                 hello.max_num_batched_tokens)
 
     def _maybe_revive(self, wid: str, identity: bytes, msg: WorkerToGateway) -> WorkerState | None:
-        # A worker declared dead for missed heartbeats (a stall, a network blip) that talks again rejoins
-        # with no requests (outputs of requests we failed are then aborted like any orphan); one whose
-        # process we saw exit never does (its last frames may still be queued on the socket).
+        # A worker given up on (frozen, hung: a stall, a network blip) that talks again rejoins with no
+        # requests; its first heartbeat lists what it still holds, and reconciliation aborts all of it. One
+        # whose process we saw exit never does (its last frames may still be queued on the socket).
         hello = self._known_hellos.get(wid)
         if hello is None or hello.pid in self._exited_pids or not isinstance(msg, (Stats, StepOutputs)):
             return None
         log.warning("worker %s is talking again; taking it back", wid)
-        w = WorkerState(hello, identity, trio.current_time(), trio.current_time())
-        self.workers[wid] = w
-        return w
+        return self._start_worker(hello, identity)
 
-    def _mark_dead(self, w: WorkerState, reason: str) -> None:
+    def _mark_dead(self, w: WorkerState, reason: str, kind: str) -> None:
         if self.workers.get(w.worker_id) is not w:
             return
         del self.workers[w.worker_id]
+        self.losses[kind] += 1
+        w.sender_scope.cancel()
+        w.outbox.close()
         self._retired_worker_seconds += trio.current_time() - w.joined
         self.router.forget_worker(w.worker_id)
         log.warning("worker %s lost (%s); failing %d in-flight requests", w.worker_id, reason, len(w.requests))
@@ -281,13 +304,29 @@ class WorkerPool:
             h.fail("worker_died", f"the worker serving this request failed ({reason})")
         w.requests.clear()
 
+    def _give_up(self, w: WorkerState, reason: str, kind: str) -> None:
+        """Frozen or hung: fail its requests and, if the supervisor started it, have it killed (restarted)."""
+        self._mark_dead(w, reason, kind)
+        if self.kill_local(w.worker_id, w.hello.pid):
+            log.warning("killed worker %s (pid %d): %s; the supervisor restarts it", w.worker_id, w.hello.pid, kind)
+
     async def _monitor_loop(self) -> None:
+        last = trio.current_time()
         while True:
             await trio.sleep(MONITOR_INTERVAL_S)
             now = trio.current_time()
+            stalled, last = now - last > self.timing.heartbeat_timeout / 2, now
+            if stalled:
+                # This event loop itself was blocked: frames may be waiting unread in our socket. Silence
+                # measured across our own stall says nothing about the workers; look again next round.
+                continue
             for w in list(self.workers.values()):
-                if now - w.last_seen > self.timing.heartbeat_timeout:
-                    self._mark_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+                silent = now - w.last_seen
+                elapsed = w.step_elapsed(now)
+                if silent > self.timing.heartbeat_timeout:
+                    self._give_up(w, f"frozen: no frame for {silent:.1f}s", "frozen")
+                elif elapsed is not None and elapsed > self.timing.step_timeout:
+                    self._give_up(w, f"hung: one step has run {elapsed:.0f}s", "hung")
 
 
 def unix_deadline(timeout: float | None) -> float | None:

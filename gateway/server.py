@@ -124,6 +124,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                                         cfg.timing, on_restart=lambda wid: gm.restarts.labels(cfg.model_name,
                                                                                               wid).inc(),
                                         log_format=cfg.observability.log_format)
+                pool.kill_local = supervisor.kill  # a frozen or hung local worker is killed and restarted
                 await outer.start(supervisor.run)
             app = create_app(GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing))
             stop = trio.Event()

@@ -164,7 +164,12 @@ class StreamProducer:
         try:
             with self.scope:
                 async with self._send:
-                    await self._stream()
+                    try:
+                        await self._stream()
+                    except Exception:  # a bug in one stream ends that stream, never the app's nursery
+                        log.exception("stream %s failed", self.handle.request_id)
+                        self.status = "internal_error"
+                        await self._fail(APIError(500, "internal error while streaming", code="internal_error"))
         finally:
             self.pool.release(self.handle)
             self.account.end(self.asm, self.status)

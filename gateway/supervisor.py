@@ -93,6 +93,18 @@ class Supervisor:
         wait = min(max(0.0, t - now) for t in self._next_start.values())
         return wait + (self._startup_s if self._startup_s is not None else DEFAULT_STARTUP_S)
 
+    def kill(self, worker_id: str, pid: int) -> bool:
+        """SIGKILL our worker ``worker_id`` if ``pid`` is its running process (the pool gave up on it: frozen
+        or hung). Its slot's task sees the exit and restarts it with the usual backoff. SIGKILL, not SIGTERM:
+        a frozen process (SIGSTOP, a native hang) would not act on anything it can catch."""
+        if self.pids.get(worker_id) != pid:
+            return False  # not ours, or already replaced
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             for slot in range(self._count):

@@ -4,11 +4,17 @@ did (engine timings, iterations, token gaps) to whoever keeps metrics, without t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
+
+import trio
 
 from gateway.handle import RequestHandle
 from gateway.routing import WorkerLoad
+from gateway.worker_link import Outgoing, open_outbox
 from ipc.messages import EngineTimings, Hello, Stats
+
+# A step running at least this long makes a worker "slow": load, shown in /metrics and top, never a failure.
+SLOW_STEP_S: Final = 1.0
 
 
 class PoolObserver(Protocol):
@@ -30,16 +36,44 @@ class NoObserver:
         pass
 
 
+def _outbox_send() -> trio.MemorySendChannel[Outgoing]:
+    return open_outbox()[0]  # replaced by the pool, which keeps the receiving end for the worker's sender
+
+
 @dataclass
 class WorkerState:
+    """One live worker. Liveness has four answers: dead (process gone, Goodbye, send failed), frozen (no
+    frame at all for the heartbeat timeout), hung (its current step past the step timeout), and otherwise
+    alive, where ``health`` says idle, busy or slow: a slow step is load, never a failure."""
+
     hello: Hello
     identity: bytes
-    last_seen: float  # trio clock
+    last_seen: float  # trio clock of the last frame of any kind
     joined: float = 0.0  # trio clock when it became live (worker-time, hence cost, accrues from here)
     stats: Stats | None = None
+    stats_at: float | None = None  # trio clock when ``stats`` arrived (its step_elapsed was true then)
     requests: dict[str, RequestHandle] = field(default_factory=dict)
     prompt_tokens: int = 0
     service_time: float | None = None  # EWMA of request durations (s); drives retry-after
+    outbox: trio.MemorySendChannel[Outgoing] = field(default_factory=_outbox_send)
+    sender_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    aborting: dict[str, float] = field(default_factory=dict)  # request id -> trio time its Abort was queued
+
+    def step_elapsed(self, now: float) -> float | None:
+        """How long the worker's current step has run by now (None between steps or before any Stats)."""
+        s = self.stats
+        if s is None or s.step_elapsed is None or self.stats_at is None:
+            return None
+        return s.step_elapsed + max(0.0, now - self.stats_at)
+
+    def health(self, now: float) -> str:
+        elapsed = self.step_elapsed(now)
+        if elapsed is None:
+            return "idle"
+        return "slow" if elapsed >= SLOW_STEP_S else "busy"
+
+    def outbox_depth(self) -> int:
+        return self.outbox.statistics().current_buffer_used
 
     @property
     def worker_id(self) -> str:

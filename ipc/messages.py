@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 2  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens
+PROTOCOL_VERSION = 3  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+# request ids in Stats, the token budget in Hello
 
 # The engine's sampling parameters as plain values: scalars (None, bool, int, float, str) or flat lists of
 # scalars (e.g. stop_token_ids). The worker rebuilds its SamplingParams from it; ipc stays engine-agnostic.
@@ -75,6 +76,8 @@ class Hello:
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: list[int]
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the step's token budget: set by the operator or sized to the machine at start
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,12 @@ class StepOutputs:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """Periodic heartbeat; also the router's load signal. Counters are cumulative since worker start."""
+    """Periodic heartbeat; also the router's load signal. Counters are cumulative since worker start.
+
+    Sent by the worker's I/O thread every interval whatever the engine is doing, so silence means the process
+    is frozen, not busy. The engine figures are the snapshot taken at the last step boundary; ``step_elapsed``
+    is live, so the gateway can tell a slow step (heartbeats arrive, the step runs long) from a hung one (the
+    same step past the step timeout)."""
 
     worker_id: str
     running: int
@@ -125,6 +133,9 @@ class Stats:
     prompt_tokens_total: int
     generation_tokens_total: int
     timestamp: float  # unix seconds on the worker
+    steps_done: int  # engine steps completed since start
+    step_elapsed: float | None  # seconds the current step has run; None between steps
+    request_ids: list[str]  # every request the engine holds (running, waiting, preempted): reconciliation
 
 
 @dataclass(frozen=True, slots=True)

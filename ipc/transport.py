@@ -47,6 +47,7 @@ __all__ = [
     "gateway_router",
     "router_recv",
     "router_send",
+    "router_try_send",
     "send",
     "worker_dealer",
 ]
@@ -119,6 +120,23 @@ class TrioZmqSocket:
             self._refresh_events()
             # Sent: a cancellation arriving now must not pretend the message was not sent.
             await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def try_send_multipart(self, frames: Sequence[bytes]) -> bool:
+        """Send now or not at all: False when the peer's pipe is at its high-water mark.
+
+        Synchronous, so any number of tasks may use it side by side: on a ROUTER with ROUTER_MANDATORY a full
+        pipe is reported per peer (EAGAIN), and each caller retries on its own schedule, so one peer that
+        stopped reading never holds up sends to the others (a waiting ``send_multipart`` would, and POLLOUT on
+        a ROUTER is set while *any* peer's pipe has room, so waiting for it cannot target one peer)."""
+        if "send" in self._busy:
+            raise trio.BusyResourceError("another task is in send_multipart on this socket")
+        self._check_open()
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self._refresh_events()  # the send may have eaten the edge a receiving task sleeps on
+        return True
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one multipart message (ZeroMQ delivers all parts or none)."""
@@ -256,6 +274,16 @@ async def router_send(sock: TrioZmqSocket, identity: bytes, msg: GatewayToWorker
     """Send a message to one worker; waits while its pipe is full. Raises PeerUnreachable if it is gone."""
     try:
         await sock.send_multipart([identity, encode(msg)])
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            raise PeerUnreachable(identity) from exc
+        raise
+
+
+def router_try_send(sock: TrioZmqSocket, identity: bytes, msg: GatewayToWorker) -> bool:
+    """Send a message to one worker if its pipe has room now (False if not). Raises PeerUnreachable."""
+    try:
+        return sock.try_send_multipart([identity, encode(msg)])
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EHOSTUNREACH:
             raise PeerUnreachable(identity) from exc

@@ -66,8 +66,14 @@ class Server:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
-                if "workers.worker" in " ".join(c.cmdline())]
+        pids = []
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "workers.worker" in " ".join(c.cmdline()):
+                    pids.append(c.pid)
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                pass  # exited, not yet reaped by the supervisor: not a running worker
+        return pids
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -97,9 +103,12 @@ def deployment_env(secret: str) -> dict[str, str]:
 
 
 def start_server(model_dir: Path, log_path: Path, *extra: str, workers: int = 1, served_name: str = MODEL,
-                 db_path: Path | None = None, secret: str | None = None) -> Server:
+                 db_path: Path | None = None, secret: str | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True) -> Server:
     """A ``kvgate serve`` on a free port. A fresh store (the default: beside the log) gets the demo tenant,
-    whose printed key becomes ``server.api_key``; pass ``db_path`` and ``secret`` to share a store."""
+    whose printed key becomes ``server.api_key``; pass ``db_path`` and ``secret`` to share a store. ``env``
+    adds variables (the workers inherit them); ``wait=False`` returns before it is ready (call
+    ``finish_start``), for a test that must start an external worker first."""
     port = free_port()
     db_path = db_path or log_path.with_name("kvgate.db")
     cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -108,8 +117,14 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, workers: int = 1,
            "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "16384", "--log-level", "INFO", *extra]
     secret = secret or secrets.token_hex(32)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=deployment_env(secret))
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**deployment_env(secret), **(env or {})})
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir, db_path, secret)
+    return finish_start(server) if wait else server
+
+
+def finish_start(server: Server) -> Server:
+    """Wait until ``server`` is ready and read the demo key it printed."""
     try:
         server.wait_ready()
     except BaseException:

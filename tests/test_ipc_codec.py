@@ -45,8 +45,8 @@ OUTPUT = RequestOutputMsg(
     error=None,
     timings=EngineTimings(scheduled=0.25, first_token=0.5, finished=1.75, preempted=[0.75, 1.0]),
 )
-HELLO = Hello(PROTOCOL_VERSION, "worker-0", 1234, "SmolLM2-135M-Instruct", 2048, 16, 4096, 49152, [2])
-STATS = Stats("worker-0", 3, 1, 0.25, 3072, 4096, 2, 10, 7, 1000, 500, 1_700_000_000.5)
+HELLO = Hello(PROTOCOL_VERSION, "worker-0", 1234, "SmolLM2-135M-Instruct", 2048, 16, 4096, 49152, [2], 64, 512)
+STATS = Stats("worker-0", 3, 1, 0.25, 3072, 4096, 2, 10, 7, 1000, 500, 1_700_000_000.5, 42, 1.25, ["r1", "r2"])
 
 SAMPLES: list[Message] = [
     GENERATE,

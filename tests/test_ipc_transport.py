@@ -50,7 +50,7 @@ WORKER = "worker-0"
 
 
 def hello(worker_id: str = WORKER) -> Hello:
-    return Hello(PROTOCOL_VERSION, worker_id, 4321, "tiny", 256, 16, 64, 512, [2])
+    return Hello(PROTOCOL_VERSION, worker_id, 4321, "tiny", 256, 16, 64, 512, [2], 8, 64)
 
 
 def generate(i: int) -> Generate:
@@ -62,7 +62,7 @@ def step(i: int) -> StepOutputs:
 
 
 def stats(i: int) -> Stats:
-    return Stats(WORKER, i, 0, 0.0, 64, 64, 0, 0, 0, 0, 0, float(i))
+    return Stats(WORKER, i, 0, 0.0, 64, 64, 0, 0, 0, 0, 0, float(i), i, None, [])
 
 
 @pytest.fixture

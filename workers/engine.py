@@ -91,6 +91,11 @@ class LLMEngine:
                          cache_salt="\0warmup")
         while self.has_unfinished():
             self.step()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Start the cumulative counters (preemptions, tokens, prefix hits) from zero: after warm-up and
+        probes, which are not traffic."""
         s, bm = self.scheduler, self.scheduler.bm
         s.num_preemptions = s.prompt_tokens_total = s.generation_tokens_total = 0
         bm.prefix_queries = bm.prefix_hits = 0

@@ -1,9 +1,10 @@
 """Worker process: one engine replica behind a ZeroMQ DEALER, driven by the gateway.
 
-The loop is synchronous: between engine steps it drains the socket (aborts are applied before the next
-step), then runs one step and sends its outputs as one StepOutputs frame; a Stats heartbeat goes out every
-0.5 s. It exits by itself when its parent process dies or the gateway has been gone for a while, so no
-worker outlives a SIGKILLed gateway.
+Two threads (see ``workers.worker_io``): the I/O thread owns the socket, so heartbeats leave on time and
+gateway messages arrive while a step runs; the engine thread (this module's loop) applies what arrived at
+each step boundary (aborts before the next step), runs one step and hands its outputs over at once. The
+worker exits by itself when its parent process dies or the gateway has been gone for a while, so no worker
+outlives a SIGKILLed gateway.
 
     python -m workers.worker --connect tcp://127.0.0.1:5555 --worker-id w0 --model smollm2
 """
@@ -17,45 +18,21 @@ import time
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generate, GatewayToWorker, Goodbye,
-                          Hello, RequestError, RequestOutputMsg, Shutdown, Stats, StepOutputs)
-from ipc.sync_transport import drain_incoming, send, worker_dealer
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+                          Hello, RequestError, RequestOutputMsg, Shutdown, StepOutputs)
+from ipc.sync_transport import send, worker_dealer
+from workers import step_sizing
 from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import SchedulerConfig
 from workers.engine import LLMEngine, engine_from_config
 from workers.logs import FORMATS, setup_logging
 from workers.startup import StartupProgress
+from workers.worker_args import add_engine_args, engine_config
+from workers.worker_io import EngineSnapshot, StopRequest, WorkerIO
 
 log = logging.getLogger("kvgate.worker")
-STATS_INTERVAL_S = 0.5
-GATEWAY_GONE_S = 5.0  # disconnected this long (reconnects included) means the gateway is not coming back
-IDLE_POLL_MS = 50
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine knobs shared by ``kvgate worker`` and ``kvgate serve``."""
-    p.add_argument("--model", default="smollm2", help="alias, .gguf file or safetensors directory")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-tokens", type=int, default=32768)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed),
-                        CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype),
-                        SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens))
+IDLE_WAIT_S = 1.0  # an idle engine sleeps on its inbox; a message wakes it at once
 
 
 def to_msg(o: StepOutput) -> RequestOutputMsg:
@@ -66,32 +43,16 @@ def to_msg(o: StepOutput) -> RequestOutputMsg:
 
 
 class Worker:
-    """Owns the engine, the socket and the deadlines of the requests it runs."""
+    """The engine thread: owns the engine and the deadlines of the requests it runs."""
 
-    def __init__(self, engine: LLMEngine, sock: zmq.Socket[bytes], worker_id: str, model_name: str,
-                 parent_pid: int | None) -> None:
-        self.engine, self.sock, self.worker_id = engine, sock, worker_id
-        self.model_name, self.parent_pid = model_name, parent_pid
+    def __init__(self, engine: LLMEngine, io: WorkerIO, step_delay: float = 0.0) -> None:
+        self.engine, self.io = engine, io
+        self.step_delay = step_delay  # test and drill hook (--debug-step-delay): a slow machine on demand
         self.deadlines: dict[str, float] = {}  # request id -> unix deadline
         self.draining = False
-        self.stopping = False
-        self.monitor: zmq.Socket[bytes] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        # The first CONNECTED event may predate the monitor; the initial Hello's send timeout covers a
-        # gateway that is unreachable from the start.
-        self.disconnected_since: float | None = None
+        self.stopping: str | None = None  # why the loop must end, once it must
 
-    def hello(self) -> Hello:
-        e, bm = self.engine, self.engine.scheduler.bm
-        return Hello(PROTOCOL_VERSION, self.worker_id, os.getpid(), self.model_name, e.max_model_len,
-                     bm.block_size, bm.num_blocks, e.vocab_size, sorted(e.eos_token_ids))
-
-    def stats(self) -> Stats:
-        s = self.engine.stats()
-        return Stats(self.worker_id, s.num_running, s.num_waiting, s.kv_usage, s.num_free_blocks,
-                     s.num_total_blocks, s.num_preemptions, s.prefix_queries, s.prefix_hits,
-                     s.prompt_tokens_total, s.generation_tokens_total, time.time())
-
-    def handle(self, msg: GatewayToWorker) -> None:
+    def handle(self, msg: GatewayToWorker | StopRequest) -> None:
         if isinstance(msg, Generate):
             self._generate(msg)
         elif isinstance(msg, Abort):
@@ -102,17 +63,19 @@ class Worker:
             self.draining = True
         elif isinstance(msg, Shutdown):
             self.engine.abort(list(self.engine.scheduler.requests))
-            self.stopping = True
+            self.stopping = "shutdown"
+        elif isinstance(msg, StopRequest):
+            self.stopping = msg.reason
 
     def _generate(self, g: Generate) -> None:
         if self.draining:
-            send(self.sock, RequestError(g.request_id, "worker is draining", "draining"))
+            self.io.send(RequestError(g.request_id, "worker is draining", "draining"))
             return
         try:
             params = SamplingParams.from_dict(dict(g.sampling))
             self.engine.add_request(g.request_id, g.prompt_token_ids, params, g.cache_salt, g.weight)
         except (ValueError, TypeError) as e:  # bad input: a 4xx for that request, never a dead worker
-            send(self.sock, RequestError(g.request_id, str(e), "invalid_request"))
+            self.io.send(RequestError(g.request_id, str(e), "invalid_request"))
             return
         if g.deadline is not None:
             self.deadlines[g.request_id] = g.deadline
@@ -125,45 +88,75 @@ class Worker:
             for rid in late:
                 del self.deadlines[rid]
 
-    def _watch_connection(self) -> bool:
-        """Track connect/disconnect events; re-introduce ourselves after a reconnect (a restarted gateway
-        knows nothing of us). Returns False when the gateway has been gone too long."""
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                if self.disconnected_since is not None:
-                    send(self.sock, self.hello(), timeout_ms=1000)
-                self.disconnected_since = None
-            elif event == zmq.EVENT_DISCONNECTED and self.disconnected_since is None:
-                self.disconnected_since = time.monotonic()
-        gone = self.disconnected_since is not None and time.monotonic() - self.disconnected_since > GATEWAY_GONE_S
-        orphaned = self.parent_pid is not None and os.getppid() != self.parent_pid
-        return not (gone or orphaned)
+    def publish(self) -> None:
+        self.io.publish(EngineSnapshot(self.engine.stats(), tuple(self.engine.scheduler.requests)))
+
+    def step(self) -> None:
+        clock = self.io.clock
+        clock.begin()
+        try:
+            if self.step_delay and self.engine.scheduler.requests:  # a step with work, not only reports
+                _hold_the_gil(self.step_delay)
+            outs = self.engine.step()
+        finally:
+            clock.end()
+        tokens = self.engine.last_num_batched_tokens
+        if outs or tokens:  # a prefill chunk that sampled nothing still counts as an iteration
+            self.io.send(StepOutputs([to_msg(o) for o in outs], tokens))
+            for o in outs:
+                if o.finished:
+                    self.deadlines.pop(o.request_id, None)
 
     def run(self) -> str:
-        next_stats = 0.0
+        self.publish()
         while True:
             busy = self.engine.has_unfinished()
-            for msg in drain_incoming(self.sock, 0 if busy else IDLE_POLL_MS):
+            # Idle: sleep until the gateway says something (the I/O thread keeps the heartbeats going).
+            msgs = self.io.take(0 if busy else IDLE_WAIT_S)
+            for msg in msgs:
                 self.handle(msg)
-            if self.stopping:
-                return "shutdown"
+            if self.stopping is not None:
+                return self.stopping
             self._expire()
+            if msgs:  # heartbeats during the next step must already show what these changed (aborts)
+                self.publish()
             if self.engine.has_unfinished():
-                outs = self.engine.step()
-                tokens = self.engine.last_num_batched_tokens
-                if outs or tokens:  # a prefill chunk that sampled nothing still counts as an iteration
-                    send(self.sock, StepOutputs([to_msg(o) for o in outs], tokens))
-                    for o in outs:
-                        if o.finished:
-                            self.deadlines.pop(o.request_id, None)
-            if time.monotonic() >= next_stats:
-                next_stats = time.monotonic() + STATS_INTERVAL_S
-                if not self._watch_connection():
-                    return "gateway gone"
-                send(self.sock, self.stats(), timeout_ms=1000)
+                self.step()
+                self.publish()
             if self.draining and not self.engine.has_unfinished():
                 return "drained"
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """Spin in Python for ``seconds``: a step as slow as a slow machine's, holding the GIL the way Python
+    code between torch ops does (the I/O thread gets it only at the interpreter's switch interval)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _size_steps(engine: LLMEngine, a: argparse.Namespace, progress: StartupProgress) -> int:
+    """The step's token budget: the operator's, or measured so a step stays under --target-step-ms."""
+    if a.max_num_batched_tokens is not None:
+        step_sizing.apply(engine, a.max_num_batched_tokens)
+        return int(a.max_num_batched_tokens)
+    target = a.target_step_ms if a.target_step_ms is not None else step_sizing.default_target_ms(a.device)
+    with progress.step(f"sizing steps to the machine (target {target:.0f} ms)"):
+        sizing = step_sizing.measure(engine, target, a.max_num_seqs)
+    step_sizing.apply(engine, sizing.max_num_batched_tokens)
+    log.info("step budget %d tokens (measured: %.1f ms per step + %.3f ms per prefill token; target %.0f ms)",
+             sizing.max_num_batched_tokens, sizing.fixed_ms, sizing.per_token_ms, target,
+             extra={"fields": {"event": "step_sizing", "max_num_batched_tokens": sizing.max_num_batched_tokens,
+                               "fixed_ms": round(sizing.fixed_ms, 2), "per_token_ms": round(sizing.per_token_ms, 4),
+                               "target_step_ms": target}})
+    return sizing.max_num_batched_tokens
+
+
+def hello_for(engine: LLMEngine, worker_id: str, model_name: str) -> Hello:
+    bm, cfg = engine.scheduler.bm, engine.scheduler.config
+    return Hello(PROTOCOL_VERSION, worker_id, os.getpid(), model_name, engine.max_model_len, bm.block_size,
+                 bm.num_blocks, engine.vocab_size, sorted(engine.eos_token_ids), cfg.max_num_seqs,
+                 cfg.max_num_batched_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,29 +165,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", default=f"worker-{os.getpid()}")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
     p.add_argument("--log-format", default="json", choices=FORMATS, help="JSON lines (default) or readable text")
+    # Tests and chaos drills make a worker as slow as a slow machine's: every step spins this long first.
+    p.add_argument("--debug-step-delay", type=float, default=float(os.environ.get("KVGATE_DEBUG_STEP_DELAY", 0)),
+                   help=argparse.SUPPRESS)
     add_engine_args(p)
     a = p.parse_args(argv)
     setup_logging("INFO", a.log_format)
     progress = StartupProgress(f"worker {a.worker_id}")
     engine, _ = engine_from_config(engine_config(a), progress)
+    budget = _size_steps(engine, a, progress)
     bm = engine.scheduler.bm
-    progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len {engine.max_model_len}")
+    progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len "
+                  f"{engine.max_model_len}, step budget {budget} tokens")
+    return _serve(engine, a)
+
+
+def _serve(engine: LLMEngine, a: argparse.Namespace) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
     sock = worker_dealer(ctx, a.connect, a.worker_id)
-    w = Worker(engine, sock, a.worker_id, a.served_model_name or a.model, a.parent_pid)
+    io = WorkerIO(ctx, sock, hello_for(engine, a.worker_id, a.served_model_name or a.model), a.parent_pid)
+    final: Goodbye | None = None
     try:
-        send(sock, w.hello(), timeout_ms=10_000)
-        reason = w.run()
+        send(sock, io.hello, timeout_ms=10_000)  # before the I/O thread owns the socket
+        io.start()
+        reason = Worker(engine, io, a.debug_step_delay).run()
         log.info("worker %s exiting: %s", a.worker_id, reason)
         if reason != "gateway gone":
-            send(sock, Goodbye(a.worker_id, reason), timeout_ms=1000)
+            final = Goodbye(a.worker_id, reason)
     except TimeoutError:
         log.warning("worker %s: gateway unreachable, exiting", a.worker_id)
     except KeyboardInterrupt:
         pass
     finally:
-        w.monitor.close(linger=0)
-        sock.close(linger=1000)  # let a queued Goodbye leave; bounded so a vanished gateway cannot hold us
+        io.close(final)  # lets queued outputs and the Goodbye leave, bounded in time
+        sock.close(linger=1000)
         ctx.term()
     return 0
 

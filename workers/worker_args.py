@@ -1,0 +1,37 @@
+"""Engine command-line knobs shared by ``kvgate worker`` and ``kvgate serve`` (which forwards them)."""
+
+from __future__ import annotations
+
+import argparse
+
+from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.core.scheduler import SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine knobs shared by ``kvgate worker`` and ``kvgate serve``."""
+    p.add_argument("--model", default="smollm2", help="alias, .gguf file or safetensors directory")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default: sized at start so a step stays under --target-step-ms)")
+    p.add_argument("--target-step-ms", type=float, default=None,
+                   help="the step time the measured token budget aims at (default: 500 on a CPU, 100 on a GPU)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The engine's config; with no --max-num-batched-tokens the worker replaces 512 by a measured budget."""
+    target = getattr(a, "target_step_ms", None)
+    if target is not None and not 0 < target < float("inf"):
+        raise ValueError(f"--target-step-ms must be a number > 0, got {target}")
+    return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed),
+                        CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype),
+                        SchedulerConfig(a.max_num_seqs, 512 if a.max_num_batched_tokens is None else a.max_num_batched_tokens))
