@@ -47,11 +47,40 @@ class Result:
     error: str = ""
 
 
+# Short common words, one token each in most BPE vocabularies: --chat prompts of about the asked length.
+_WORDS = ("the of and to in is it that was for on are as with his they at be this from have or by one had not but "
+          "what all were when we there can an your which their said if do will each about how up out them then she "
+          "many some so these would other into has more her two like him see time could no make than first been its "
+          "who now people my made over did down only way find use may water long little very after words called just "
+          "where most know get through back much before go good new write our used me man too any day same right look "
+          "think also around another came come work three word must because does part even place well such here take "
+          "why help put different away again off went old number great tell men say small every found still between "
+          "name should home big give air line set own under read last never us left end along while might next sound "
+          "below saw something thought both few those always show large often together asked house world going want "
+          "school important until form food keep children feet land side without boy once animal life enough took").split()
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    """vLLM's --random-range-ratio: lengths uniform in [mean * (1 - ratio), mean * (1 + ratio)]."""
+    lo, hi = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def make_workload(a: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(a.seed)
     lo = 100  # skip the lowest ids: special and control tokens in most vocabularies
     prefix = [rng.randrange(lo, vocab) for _ in range(a.shared_prefix_len)]
-    return [prefix + [rng.randrange(lo, vocab) for _ in range(a.random_input_len)] for _ in range(a.num_prompts)]
+    lens = _lengths(a.random_input_len, a.random_range_ratio, a.num_prompts, rng)
+    return [prefix + [rng.randrange(lo, vocab) for _ in range(n)] for n in lens]
+
+
+def output_lengths(a: argparse.Namespace) -> list[int]:
+    return _lengths(a.random_output_len, a.random_range_ratio, a.num_prompts, random.Random(a.seed + 1))
+
+
+def chat_text(prompt: list[int]) -> str:
+    """A chat message of about len(prompt) words, drawn from the prompt's ids (so seeded like the ids)."""
+    return " ".join(_WORDS[t % len(_WORDS)] for t in prompt)
 
 
 def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
@@ -63,14 +92,19 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
 
 # ---- HTTP backend -------------------------------------------------------------------------------
 
-async def one_request(client: Any, a: argparse.Namespace, prompt: list[int]) -> Result:
-    body = {"model": a.model, "prompt": prompt, "max_tokens": a.random_output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max_tokens: int) -> Result:
+    body: dict[str, Any] = {"model": a.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if a.chat:
+        body["messages"] = [{"role": "user", "content": chat_text(prompt)}]
+    else:
+        body["prompt"] = prompt
+    route = "/v1/chat/completions" if a.chat else "/v1/completions"
     res = Result(False, len(prompt))
     t0 = time.perf_counter()
     last = t0
     try:
-        async with client.stream("POST", f"{a.base_url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{a.base_url}{route}", json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}"
                 return res
@@ -84,7 +118,9 @@ async def one_request(client: Any, a: argparse.Namespace, prompt: list[int]) -> 
                 now = time.perf_counter()
                 if data.get("usage"):
                     res.output_tokens = data["usage"]["completion_tokens"]
-                if data.get("choices") and data["choices"][0].get("text"):
+                    res.prompt_len = data["usage"]["prompt_tokens"]  # chat: the template's tokens included
+                choice = data["choices"][0] if data.get("choices") else {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     if res.ttft == 0.0:
                         res.ttft = now - t0
                     else:
@@ -104,15 +140,15 @@ async def run_http(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[lis
     limits = httpx.Limits(max_connections=a.max_concurrency or len(prompts))
     sem = asyncio.Semaphore(a.max_concurrency or len(prompts))
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(a.max_duration), limits=limits) as client:
-        async def limited(p: list[int]) -> Result:
+        async def limited(p: list[int], n: int) -> Result:
             async with sem:
-                return await one_request(client, a, p)
+                return await one_request(client, a, p, n)
 
         t0 = time.perf_counter()
         tasks = []
-        for p, gap in zip(prompts, arrival_gaps(len(prompts), a.request_rate, a.seed)):
+        for p, n, gap in zip(prompts, output_lengths(a), arrival_gaps(len(prompts), a.request_rate, a.seed)):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(p)))
+            tasks.append(asyncio.create_task(limited(p, n)))
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=a.max_duration)
         return list(results), time.perf_counter() - t0
 
@@ -217,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="input and output lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's flag)")
+    p.add_argument("--chat", action="store_true",
+                   help="send /v1/chat/completions with a text message of about --random-input-len words")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

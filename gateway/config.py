@@ -71,8 +71,8 @@ class TimingConfig:
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
-        for name in ("heartbeat_timeout", "step_timeout", "sse_ping_interval", "ipc_send_timeout", "restart_backoff_initial",
-                     "restart_backoff_max"):
+        for name in ("heartbeat_timeout", "step_timeout", "sse_ping_interval", "ipc_send_timeout",
+                     "restart_backoff_initial", "restart_backoff_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -82,6 +82,8 @@ class WorkerRow:
     preemptions: float | None
     preemptions_per_s: float | None
     prefix_cache_hit_rate: float | None  # over the interval; None without queries in it
+    health: str | None = None  # idle, busy or slow (a step over 1 s while heartbeats arrive: load, not failure)
+    step_seconds: float | None = None  # how long the current engine step has run
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,13 @@ def _worker_rows(p: _Pair) -> list[WorkerRow]:
     # Workers from these families only: the gateway's own per-worker histograms outlive a worker that died.
     models = {labels["worker"]: labels.get("model_name", "") for name in _WORKER_FAMILIES
               for labels in map(dict, p.cur.series.get(name, {})) if labels.get("worker")}
+    step = p.values("kvgate:worker_step_seconds", "worker")
+    health = {labels["worker"]: labels.get("state", "")
+              for key, v in p.cur.series.get("kvgate:worker_health", {}).items()
+              if v == 1 and (labels := dict(key)).get("worker")}
     return [WorkerRow(w, models[w], running.get(w), waiting.get(w), kv.get(w), prompt.get(w), gen.get(w),
-                      preempt.get(w), preempt_rate.get(w), _hit_rate(hits, queries, w)) for w in sorted(models)]
+                      preempt.get(w), preempt_rate.get(w), _hit_rate(hits, queries, w), health.get(w), step.get(w))
+            for w in sorted(models)]
 
 
 def _top_reason(p: _Pair, tenant: str) -> str | None:
@@ -232,10 +239,11 @@ def _header(view: TopView) -> Text:
 
 
 def render_view(view: TopView) -> Group:
-    workers = _table("workers (tokens/s)", "<worker", "<model", "run", "wait", "KV", "prompt/s", "gen/s",
-                     "preempt", "pre/s", "hit%")
+    workers = _table("workers (tokens/s)", "<worker", "<model", "<health", "step s", "run", "wait", "KV",
+                     "prompt/s", "gen/s", "preempt", "pre/s", "hit%")
     for w in view.workers:
-        workers.add_row(Text(w.worker), Text(w.model), _num(w.running, "g"), _num(w.waiting, "g"),
+        workers.add_row(Text(w.worker), Text(w.model), Text(w.health or _NONE), _num(w.step_seconds, ".1f"),
+                        _num(w.running, "g"), _num(w.waiting, "g"),
                         _pct(w.kv_cache_usage), _num(w.prompt_tokens_per_s), _num(w.generation_tokens_per_s),
                         _num(w.preemptions, ".0f"), _num(w.preemptions_per_s, ".2f"), _pct(w.prefix_cache_hit_rate))
     tenants = _table("tenants (tokens/s)", "<tenant", "req/s", "prompt/s", "compl/s", "streams", "rej/s",

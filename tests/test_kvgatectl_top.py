@@ -41,6 +41,10 @@ vllm:prefix_cache_hits_total{{model_name="smollm2",worker="w0"}} {640 + 150 * n}
 vllm:prompt_tokens_total{{model_name="smollm2",worker="w0"}} {5000 + 400 * n}
 vllm:generation_tokens_total{{model_name="smollm2",worker="w0"}} {800 + 100 * n}
 kvgate:workers_ready{{model_name="smollm2"}} 1
+kvgate:worker_health{{model_name="smollm2",worker="w0",state="idle"}} 0
+kvgate:worker_health{{model_name="smollm2",worker="w0",state="busy"}} 0
+kvgate:worker_health{{model_name="smollm2",worker="w0",state="slow"}} 1
+kvgate:worker_step_seconds{{model_name="smollm2",worker="w0"}} 2.5
 # TYPE kvgate:requests counter
 kvgate:requests_total{{route="/v1/completions",status="200",tenant="demo"}} {12.0 + 4 * n}
 kvgate:requests_total{{route="/v1/chat/completions",status="429",tenant="demo"}} {1.0 + n}
@@ -73,6 +77,7 @@ def test_view_rates_gauges_and_hit_rate() -> None:
     assert (w.worker, w.model, w.running, w.waiting, w.kv_cache_usage) == ("w0", "smollm2", 4.0, 1.0, 0.25)
     assert (w.prompt_tokens_per_s, w.generation_tokens_per_s) == (200.0, 50.0)
     assert (w.preemptions, w.preemptions_per_s, w.prefix_cache_hit_rate) == (3.0, 0.5, 0.75)
+    assert (w.health, w.step_seconds) == ("slow", 2.5)  # a long step with heartbeats: shown as load
     assert view.output_tokens_per_s == 50.0
     assert [t.tenant for t in view.tenants] == ["acme", "demo"]  # the "" tenant (no tenant known) is left out
     acme, demo = view.tenants
@@ -113,7 +118,7 @@ def test_missing_metrics_and_first_sample() -> None:
     view = view_of(only, only)
     [w] = view.workers
     assert (w.worker, w.running, w.waiting, w.kv_cache_usage, w.preemptions) == ("w1", 2.0, None, None, None)
-    assert (w.generation_tokens_per_s, w.prefix_cache_hit_rate) == (None, None)
+    assert (w.generation_tokens_per_s, w.prefix_cache_hit_rate, w.health, w.step_seconds) == (None,) * 4
     assert (view.workers_ready, view.output_tokens_per_s, view.cost_per_1k_tokens, view.tenants) == (
         None, None, {}, [])
     first = compute_view(URL, None, parse_exposition(exposition(0), 5.0))

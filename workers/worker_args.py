@@ -32,6 +32,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     target = getattr(a, "target_step_ms", None)
     if target is not None and not 0 < target < float("inf"):
         raise ValueError(f"--target-step-ms must be a number > 0, got {target}")
+    budget = a.max_num_batched_tokens
     return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype),
-                        SchedulerConfig(a.max_num_seqs, 512 if a.max_num_batched_tokens is None else a.max_num_batched_tokens))
+                        SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget))
