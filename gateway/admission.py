@@ -13,6 +13,7 @@ timeout) queues a row with what was done and settles too, so slots come back on 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -49,8 +50,10 @@ def denial_error(d: Decision) -> APIError:
 class QuotaGate:
     def __init__(self, limiter: RateLimiter) -> None:
         self.limiter = limiter
-        self._settles: list[tuple[str, int]] = []
-        self._settle_wakeup = trio.Event()
+        # Unbounded on purpose: a lost settle would hold a tenant's concurrency slot and tokens for good, and
+        # settling must stay sync (callable from any ``finally``). At most one per admitted request, so the
+        # depth is bounded by admission; exported as kvgate:settle_queue.
+        self._settles_tx, self._settles = trio.open_memory_channel[tuple[str, int]](math.inf)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if not self.limiter.blocking:
@@ -82,8 +85,11 @@ class QuotaGate:
         if not self.limiter.blocking:
             self.limiter.settle(request_id, used_tokens)
             return
-        self._settles.append((request_id, used_tokens))
-        self._settle_wakeup.set()
+        self._settles_tx.send_nowait((request_id, used_tokens))
+
+    @property
+    def queued(self) -> int:
+        return self._settles.statistics().current_buffer_used
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -95,15 +101,20 @@ class QuotaGate:
     async def _settle_loop(self) -> None:
         try:
             while True:
-                await self._settle_wakeup.wait()
-                await self._drain_settles()
+                first = await self._settles.receive()
+                await self._drain_settles([first])
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                await self._drain_settles()
+                await self._drain_settles([])
 
-    async def _drain_settles(self) -> None:
-        self._settle_wakeup = trio.Event()
-        batch, self._settles = self._settles, []
+    async def _drain_settles(self, batch: list[tuple[str, int]]) -> None:
+        while True:
+            try:
+                batch.append(self._settles.receive_nowait())
+            except trio.WouldBlock:
+                break
+        if not batch:
+            return
 
         def settle_all() -> None:
             for request_id, used in batch:

@@ -17,14 +17,14 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from gateway import metrics
+from gateway import metrics, openapi
 from gateway.admin import create_admin_blueprint, op_error
 from gateway.admission import RequestAccount
 from gateway.auth import Principal
 from gateway.errors import APIError, bad_request, error_body
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
-from gateway.http_json import json_response, read_json
+from gateway.http_json import close_if_body_unread, json_response, read_json
 from gateway.pool import unix_deadline
 from gateway.protocol import GenerationRequest, check_fields, parse_chat, parse_completion
 from gateway.responses import ResponseBuilder
@@ -32,6 +32,7 @@ from gateway.state import GatewayState
 from gateway.streaming import StreamProducer, complete, failure_to_api_error
 from gateway.tokenizer import ChatTemplateError, InvalidText
 from gateway.tracing import RequestTrace
+from gateway.web import create_web_blueprint
 from tenancy.admin_ops import AdminOpError, LocalAdmin
 
 log = logging.getLogger("kvgate.gateway")
@@ -160,10 +161,14 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     def start_stream(producer: StreamProducer, tenant: str) -> Response:
         async def run_stream() -> None:
+            # Runs in the app-wide nursery: an exception escaping here would cancel every stream in flight
+            # (the producer contains its own; this is the last line for its cleanup and the gauge).
             streams = gm.streams.labels(tenant)
             streams.inc()
             try:
                 await producer.run()
+            except Exception:
+                log.exception("stream %s: unhandled error after its producer ended", producer.handle.request_id)
             finally:
                 streams.dec()
 
@@ -273,9 +278,13 @@ def create_app(state: GatewayState) -> QuartTrio:
     @app.get("/metrics")
     async def prometheus() -> Response:
         text = metrics.render(pool, cfg.model_name, cfg.observability.gpu_hour_cost, gm.billed_tokens)
+        text += metrics.queues(ten.ledger.queued, ten.quota.queued)
         return Response(text + gm.render(), content_type=metrics.CONTENT_TYPE)
 
     app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
+    app.add_url_rule("/openapi.json", "openapi", openapi.openapi_json, methods=["GET"])  # drills, fuzzers, SDKs
+    app.after_request(close_if_body_unread)  # a keep-alive connection must not wedge on an unread body
+    app.register_blueprint(create_web_blueprint(state))  # pages, security headers, CORS, /admin/workers
 
     @app.errorhandler(APIError)
     async def on_api_error(e: APIError) -> Response:

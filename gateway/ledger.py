@@ -11,6 +11,7 @@ a row. On shutdown the queue is flushed under a shielded deadline.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import trio
@@ -28,21 +29,24 @@ RETRY_BACKOFF_S = (0.1, 0.5, 2.0)
 class UsageLedger:
     def __init__(self, record_usage: Callable[[Sequence[UsageRow]], int]) -> None:
         self._record_usage = record_usage  # TenancyStore.record_usage: blocking (fsync), run in a thread
-        self._pending: list[tuple[UsageRow, trio.Event]] = []
-        self._wakeup = trio.Event()
+        # Unbounded on purpose: a usage row is billing data and is never dropped or refused (recording must
+        # stay sync for cancelled tasks' ``finally``). Rows arrive at most once per admitted request, so the
+        # depth is bounded by admission while the store works; while it does not (disk full, locked), the
+        # depth is exported as kvgate:ledger_queue for the operator.
+        self._tx, self._rx = trio.open_memory_channel[tuple[UsageRow, trio.Event]](math.inf)
+        self._retry: list[tuple[UsageRow, trio.Event]] = []  # a batch whose commit failed, first in line
         self.committed = 0  # rows committed by this process (new rows only)
         self.failures = 0  # commits that raised (rows were kept and retried)
 
     @property
     def queued(self) -> int:
-        return len(self._pending)
+        return self._rx.statistics().current_buffer_used + len(self._retry)
 
     def record_nowait(self, row: UsageRow) -> trio.Event:
         """Queue a row (sync, never blocks: callable from a cancelled task's ``finally``); the event is set
         once it is committed."""
         done = trio.Event()
-        self._pending.append((row, done))
-        self._wakeup.set()
+        self._tx.send_nowait((row, done))
         return done
 
     async def record(self, row: UsageRow) -> bool:
@@ -60,7 +64,8 @@ class UsageLedger:
         try:
             failures = 0
             while True:
-                await self._wakeup.wait()
+                if not self._retry:
+                    self._retry.append(await self._rx.receive())
                 if await self._commit_batch():
                     failures = 0
                 else:
@@ -68,16 +73,18 @@ class UsageLedger:
                     failures += 1
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_FLUSH_S):
-                while self._pending and await self._commit_batch():
+                while self.queued and await self._commit_batch():
                     pass
-            if self._pending:
-                log.error("shutting down with %d usage rows not committed", len(self._pending))
+            if self.queued:
+                log.error("shutting down with %d usage rows not committed", self.queued)
 
     async def _commit_batch(self) -> bool:
-        batch = self._pending[:MAX_BATCH]
-        del self._pending[:MAX_BATCH]
-        if not self._pending:
-            self._wakeup = trio.Event()
+        batch, self._retry = self._retry[:MAX_BATCH], self._retry[MAX_BATCH:]
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._rx.receive_nowait())
+            except trio.WouldBlock:
+                break
         if not batch:
             return True
         try:
@@ -86,8 +93,7 @@ class UsageLedger:
         except Exception as e:  # noqa: BLE001 - disk full, database locked too long: keep the rows, retry
             self.failures += 1
             log.error("usage commit of %d rows failed (%s: %s); will retry", len(batch), type(e).__name__, e)
-            self._pending[:0] = batch
-            self._wakeup.set()
+            self._retry[:0] = batch
             return False
         for _, done in batch:
             done.set()

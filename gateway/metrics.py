@@ -97,6 +97,16 @@ def _liveness(pool: WorkerPool, workers: list[WorkerState], model_name: str) -> 
     return lines
 
 
+def queues(ledger_rows: int, settles: int) -> str:
+    """Depths of the gateway's unbounded-by-design queues (each bounded by admission while its sink works)."""
+    return ("# HELP kvgate:ledger_queue Usage rows waiting to be committed to the store.\n"
+            "# TYPE kvgate:ledger_queue gauge\n"
+            f"kvgate:ledger_queue {ledger_rows}\n"
+            "# HELP kvgate:settle_queue Quota settlements waiting for the shared (Redis) limiter.\n"
+            "# TYPE kvgate:settle_queue gauge\n"
+            f"kvgate:settle_queue {settles}\n")
+
+
 def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None, billed_tokens: int = 0) -> str:
     lines: list[str] = []
     workers: list[WorkerState] = sorted(pool.workers.values(), key=lambda w: w.worker_id)
