@@ -70,22 +70,19 @@ def _liveness(pool: WorkerPool, workers: list[WorkerState], model_name: str) -> 
         health = w.health(now)
         lines += [f"kvgate:worker_health{_labels(model_name=model_name, worker=w.worker_id, state=st)} "
                   f"{int(st == health)}" for st in _HEALTH_STATES]
-    lines += ["# HELP kvgate:worker_step_seconds How long the worker's current engine step has run (0 between "
-              "steps).", "# TYPE kvgate:worker_step_seconds gauge"]
-    lines += [f"kvgate:worker_step_seconds{_labels(model_name=model_name, worker=w.worker_id)} "
-              f"{_num(w.step_elapsed(now) or 0.0)}" for w in workers]
-    lines += ["# HELP kvgate:worker_steps_total Engine steps the worker has completed.",
-              "# TYPE kvgate:worker_steps_total counter"]
-    lines += [f"kvgate:worker_steps_total{_labels(model_name=model_name, worker=w.worker_id)} {w.stats.steps_done}"
-              for w in workers if w.stats is not None]
-    lines += ["# HELP kvgate:worker_max_num_batched_tokens The worker's token budget per step (set, or sized to "
-              "its machine at start).", "# TYPE kvgate:worker_max_num_batched_tokens gauge"]
-    lines += [f"kvgate:worker_max_num_batched_tokens{_labels(model_name=model_name, worker=w.worker_id)} "
-              f"{w.hello.max_num_batched_tokens}" for w in workers]
-    lines += ["# HELP kvgate:ipc_send_queue Messages queued for the worker's sender (bounded).",
-              "# TYPE kvgate:ipc_send_queue gauge"]
-    lines += [f"kvgate:ipc_send_queue{_labels(model_name=model_name, worker=w.worker_id)} {w.outbox_depth()}"
-              for w in workers]
+    per_worker: tuple[tuple[str, str, str, Callable[[WorkerState], float | None]], ...] = (
+        ("kvgate:worker_step_seconds", "gauge", "How long the worker's current engine step has run (0 between "
+         "steps).", lambda w: w.step_elapsed(now) or 0.0),
+        ("kvgate:worker_steps_total", "counter", "Engine steps the worker has completed.",
+         lambda w: None if w.stats is None else w.stats.steps_done),
+        ("kvgate:worker_max_num_batched_tokens", "gauge", "The worker's token budget per step (set, or sized to "
+         "its machine at start).", lambda w: w.hello.max_num_batched_tokens),
+        ("kvgate:ipc_send_queue", "gauge", "Messages queued for the worker's sender (bounded).",
+         lambda w: w.outbox_depth()))
+    for name, kind, help_, get in per_worker:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        values = [(w.worker_id, get(w)) for w in workers]
+        lines += [f"{name}{_labels(model_name=model_name, worker=wid)} {_num(v)}" for wid, v in values if v is not None]
     lines += ["# HELP kvgate:workers_lost_total Workers given up on, by kind: exited, goodbye, send_failed, "
               "frozen (no frame for the heartbeat timeout), hung (a step past the step timeout), replaced.",
               "# TYPE kvgate:workers_lost_total counter"]

@@ -270,24 +270,27 @@ def gateway_router(
 # --------------------------------------------------------------------------------------------------
 
 
-async def router_send(sock: TrioZmqSocket, identity: bytes, msg: GatewayToWorker) -> None:
-    """Send a message to one worker; waits while its pipe is full. Raises PeerUnreachable if it is gone."""
+@contextmanager
+def _unreachable_as_peer_error(identity: bytes) -> Iterator[None]:
+    """ROUTER_MANDATORY reports a peer it has no connection for as EHOSTUNREACH: PeerUnreachable."""
     try:
-        await sock.send_multipart([identity, encode(msg)])
+        yield
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EHOSTUNREACH:
             raise PeerUnreachable(identity) from exc
         raise
+
+
+async def router_send(sock: TrioZmqSocket, identity: bytes, msg: GatewayToWorker) -> None:
+    """Send a message to one worker; waits while its pipe is full. Raises PeerUnreachable if it is gone."""
+    with _unreachable_as_peer_error(identity):
+        await sock.send_multipart([identity, encode(msg)])
 
 
 def router_try_send(sock: TrioZmqSocket, identity: bytes, msg: GatewayToWorker) -> bool:
     """Send a message to one worker if its pipe has room now (False if not). Raises PeerUnreachable."""
-    try:
+    with _unreachable_as_peer_error(identity):
         return sock.try_send_multipart([identity, encode(msg)])
-    except zmq.ZMQError as exc:
-        if exc.errno == zmq.EHOSTUNREACH:
-            raise PeerUnreachable(identity) from exc
-        raise
 
 
 def _peer_name(identity: bytes) -> str:
