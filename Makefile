@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup redis-server serve generate test test-fast bench clean
+.PHONY: setup redis-server chromium serve generate test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,14 @@ redis-server:
 	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } \
 	  || echo "redis-server could not be installed: the Redis tests will skip"; }
 
+# The browser tests drive Debian's Chromium with Playwright (never a browser Playwright downloads). Install it
+# when missing; without root or sudo they skip, except in CI, where .ci/run makes a missing browser fail them.
+chromium:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+	  || echo "chromium could not be installed: the browser tests will skip"; }
+
 # Main job: the OpenAI-compatible gateway on 127.0.0.1:8000 with one CPU worker serving smollm2.
 serve: setup
 	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 8000 --model smollm2 --workers 1 --device cpu
@@ -34,7 +42,7 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
-test: setup redis-server
+test: setup redis-server chromium
 	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway tenancy
 	$(PY) -m pytest -q -p no:cacheprovider
 
