@@ -79,14 +79,17 @@ def test_step_budget_follows_the_measured_prefill_cost(monkeypatch: pytest.Monke
     from tests.tiny import hf_model, tiny_engine
 
     engine = tiny_engine(hf_model(), max_num_batched_tokens=64, max_num_seqs=8)
-    # 10 ms per step plus 1 ms per prompt token: a 500 ms step holds 490 tokens.
+    # 10 ms per step plus 1 ms per prompt token: a 500 ms step prefills 490 tokens, plus 8 decodes.
     monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 10.0 + 1.0 * n)
     sizing = step_sizing.measure(engine, 500.0, max_num_seqs=8)
-    assert (sizing.max_num_batched_tokens, round(sizing.fixed_ms, 6), round(sizing.per_token_ms, 6)) == (490, 10, 1)
-    # A machine so slow that the target holds fewer tokens than running requests: every request still decodes.
+    assert (sizing.max_num_batched_tokens, round(sizing.fixed_ms, 6), round(sizing.per_token_ms, 6)) == (498, 10, 1)
+    # A machine so slow that the target holds 20 prefill tokens: every running request still decodes and
+    # prefill still advances by the minimum chunk.
     monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 100.0 + 20.0 * n)
-    assert step_sizing.measure(engine, 500.0, max_num_seqs=8).max_num_batched_tokens == 20
-    assert step_sizing.measure(engine, 500.0, max_num_seqs=32).max_num_batched_tokens == 32
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=8).max_num_batched_tokens == 8 + 32
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=64).max_num_batched_tokens == 64 + 32
+    monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 0.001 * n)  # a huge machine
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=8).max_num_batched_tokens == step_sizing.CEILING
     step_sizing.apply(engine, 20)
     assert engine.scheduler.config.max_num_batched_tokens == 20
 

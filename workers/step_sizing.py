@@ -4,8 +4,10 @@ One engine step computes up to ``max_num_batched_tokens`` tokens (decodes first,
 every running stream waits for the whole step before its next token. The same budget that is fine on a Zen 4
 (a 512-token chunk in ~0.5 s) stalls every stream for ~2.5 s on a Zen 1, and machines of our kind differ from
 session to session. So, unless the operator fixed the budget, the worker times a short and a long prefill,
-fits ``step_ms(n) = fixed_ms + per_token_ms * n`` and takes the largest budget whose step stays under
-``--target-step-ms``, within [max_num_seqs, CEILING] so every running request can still decode each step.
+fits ``step_ms(n) = fixed_ms + per_token_ms * n`` and gives each step's prefill chunk the largest size that
+stays under ``--target-step-ms``, plus one decode token for each of ``max_num_seqs`` running requests: decodes
+cost far less per token than prefill, are served first, and must never crowd prefill out entirely (a budget of
+only ``max_num_seqs`` would starve every waiting request while the batch is full).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ log = logging.getLogger("kvgate.worker.sizing")
 # GPU step is far cheaper per token, so a shorter target costs little throughput and buys a smooth stream.
 DEFAULT_TARGET_STEP_MS: Final = {"cpu": 500.0, "cuda": 100.0}
 CEILING: Final = 8192  # beyond this a larger chunk buys nothing but memory for activations
+MIN_PREFILL_CHUNK: Final = 32  # on the slowest machine prefill still advances this much per step
 _SHORT, _LONG = 32, 256  # probe prompt lengths (tokens)
 _SALT: Final = "\0step-sizing"  # never a tenant's salt: nothing of the probes is shared with real requests
 
@@ -54,17 +57,17 @@ def _prefill_ms(engine: LLMEngine, n: int, tag: str) -> float:
 
 
 def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> StepSizing:
-    """Time probe prefills (the best of two each, so a hiccup of the machine does not shrink the budget for
+    """Time probe prefills (the best of three each, so a hiccup of the machine does not shrink the budget for
     the worker's whole life) and size the budget. The engine's counters are reset afterwards."""
     s = engine.scheduler
     long_n = max(_SHORT + 1, min(_LONG, engine.max_model_len - 1))
     s.config = replace(s.config, max_num_batched_tokens=max(long_n, s.config.max_num_batched_tokens))
-    short = min(_prefill_ms(engine, _SHORT, f"s{i}") for i in range(2))
-    long = min(_prefill_ms(engine, long_n, f"l{i}") for i in range(2))
+    short = min(_prefill_ms(engine, _SHORT, f"s{i}") for i in range(3))
+    long = min(_prefill_ms(engine, long_n, f"l{i}") for i in range(3))
     per_token = max((long - short) / (long_n - _SHORT), 1e-6)
     fixed = max(0.0, short - per_token * _SHORT)
-    budget = int((target_ms - fixed) / per_token)
-    budget = max(max_num_seqs, min(CEILING, budget, engine.max_model_len))
+    chunk = max(MIN_PREFILL_CHUNK, int((target_ms - fixed) / per_token))
+    budget = min(CEILING, max_num_seqs + chunk)
     engine.reset_counters()
     return StepSizing(budget, fixed, per_token, target_ms)
 
