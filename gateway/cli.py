@@ -49,6 +49,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g = p.add_argument_group("engine (passed to local workers)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
@@ -82,7 +83,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               auth_failures_per_minute=a.auth_failures_per_minute,
                               demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
-                          a.max_num_batched_tokens, a.target_step_ms),
+                          a.max_num_batched_tokens, a.target_step_ms, a.quantization),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,

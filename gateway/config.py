@@ -24,6 +24,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # None: each worker sizes it to its machine (--target-step-ms)
     target_step_ms: float | None = None
+    quantization: str | None = None  # none | int8 | int4 | auto (workers.models.linear); None: the worker's
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -34,6 +35,8 @@ class EngineArgs:
 
     def argv(self) -> list[str]:
         out = ["--device", self.device, "--dtype", self.dtype]
+        if self.quantization is not None:
+            out += ["--quantization", self.quantization]
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "target_step_ms"):
             v = getattr(self, name)

@@ -194,3 +194,11 @@ def test_config_validates_quantization() -> None:
     with pytest.raises(ValueError):
         ModelConfig(quantization="int4", device="cuda")
     assert ModelConfig().quantization == "none"
+
+
+
+def test_layers_not_in_whole_blocks_stay_fp32(kernel) -> None:  # type: ignore[no-untyped-def]
+    model = _tiny("int4", kernel, hidden_size=48, intermediate_size=96)  # 48 % 32 != 0: q/k/v, gate/up, head
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(("proj", "lm_head"))}
+    assert kinds["layers.0.mlp.down_proj"] == "BlockLinear"  # 96 inputs: three blocks
+    assert kinds["layers.0.self_attn.qkv_proj"] == "Linear" and kinds["lm_head"] == "Linear"

@@ -4,7 +4,9 @@ Every projection of the model (q/k/v, o, gate/up, down, lm_head) is a module map
 ``nn.Linear`` for ``none``, :class:`BlockLinear` for ``int8`` / ``int4``. A BlockLinear holds weights in
 GGUF blocks of 32 (4- or 8-bit) and runs the C++ kernel (``kernels_cupy/cpu/qgemm``); where the kernel
 cannot be had it runs its reference instead, fp32 ``F.linear`` on the de-quantized weights, so a quantized
-mode always works and its tests always have an oracle.
+mode always works and its tests always have an oracle. fbgemm's prepacked dynamic int8 GEMM was measured
+faster from ~8 rows up but is not used: its per-tensor 7-bit activations raised SmolLM2's perplexity from 21.1
+to 36.6 on bench/data/quality_text.txt (bench/RESULTS.md).
 
 Mode rules (``resolve_mode``):
 - ``int4``: GGUF Q4_0/Q4_1/Q8_0 blocks are kept as they are (the head of a GGUF stays at its own width);
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.quant import BlockWeight, dequantize, quantize
+from workers.models.quant import QK, BlockWeight, dequantize, quantize
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "none", "int8", "int4")
@@ -95,7 +97,8 @@ def quantize_linears(model: nn.Module, mode: str, gguf_blocks: dict[str, BlockWe
     """Swap the model's projections for BlockLinears (in place); returns how many were swapped."""
     if mode == "none":
         return 0
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # Blocks run along the input dimension: a layer whose width is not a multiple of 32 stays fp32.
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % QK == 0]
     kept = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")

@@ -1,0 +1,63 @@
+"""Quality gate on the default model: per quantization mode, perplexity over the shipped text
+(bench/data/quality_text.txt, 2,910 tokens) and top-1 agreement of every position's argmax with fp32 (``none``).
+Prefill runs in chunks of --chunk tokens, as serving does.
+
+    .venv/bin/python bench/quality.py [--modes none,int8,int4] [--chunk 256]
+
+Thresholds (stated in bench/RESULTS.md): int8 within 1% of fp32's perplexity and >= 97% top-1 agreement;
+int4 on a Q4 GGUF runs the same weights as fp32 (the GGUF de-quantized), so it must meet the same bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workers.config import EngineConfig, ModelConfig
+from workers.engine import build_model, default_backend
+from workers.model_files import gguf_source, resolve
+from workers.models.loader import load_state_dict, read_config
+from workers.models.llama import LlamaConfig
+from workers.models.scoring import sequence_logits
+
+TEXT = Path(__file__).with_name("data") / "quality_text.txt"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--modes", default="none,int8,int4")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from transformers import AutoTokenizer
+
+    files = resolve(a.model)
+    ids = AutoTokenizer.from_pretrained(files.directory).encode(TEXT.read_text())
+    llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
+    sd = load_state_dict(files.directory)
+    target = torch.tensor(ids[1:])
+    base: torch.Tensor | None = None
+    for mode in a.modes.split(","):
+        cfg = EngineConfig(ModelConfig(a.model, quantization=mode, max_model_len=len(ids) + 1))
+        model, _ = build_model(llama_cfg, dict(sd), cfg, gguf_source(a.model))
+        t0 = time.perf_counter()
+        logits = sequence_logits(model, ids, default_backend(torch.device("cpu")), chunk=a.chunk)[:-1]
+        secs = time.perf_counter() - t0
+        ppl = math.exp(F.cross_entropy(logits, target).item())
+        top1 = logits.argmax(-1)
+        base = top1 if base is None else base
+        agree = (top1 == base).float().mean().item()
+        print(json.dumps({"mode": mode, "tokens": len(ids), "chunk": a.chunk, "perplexity": round(ppl, 4),
+                          "top1_agreement_vs_first": round(agree, 4), "seconds": round(secs, 2)}))
+
+
+if __name__ == "__main__":
+    main()
