@@ -24,7 +24,7 @@ from gateway.auth import Principal
 from gateway.errors import APIError, bad_request, error_body
 from gateway.generation import OutputAssembler
 from gateway.handle import RequestFailed
-from gateway.http_json import close_if_body_unread, json_response, read_json
+from gateway.http_json import close_if_body_unread, json_response, read_body_first, read_json
 from gateway.pool import unix_deadline
 from gateway.protocol import GenerationRequest, check_fields, parse_chat, parse_completion
 from gateway.responses import ResponseBuilder
@@ -283,7 +283,8 @@ def create_app(state: GatewayState) -> QuartTrio:
 
     app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
     app.add_url_rule("/openapi.json", "openapi", openapi.openapi_json, methods=["GET"])  # drills, fuzzers, SDKs
-    app.after_request(close_if_body_unread)  # a keep-alive connection must not wedge on an unread body
+    app.before_request(read_body_first)  # a keep-alive connection must not wedge on an unread body
+    app.after_request(close_if_body_unread)
     app.register_blueprint(create_web_blueprint(state))  # pages, security headers, CORS, /admin/workers
 
     @app.errorhandler(APIError)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Response, request
+from quart import Response, g, request
 
 from gateway.errors import bad_request
 
@@ -37,3 +37,25 @@ async def read_json(*, allow_empty: bool = False) -> Any:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _has_body() -> bool:
+    return (request.content_length or 0) > 0 or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+
+
+async def read_body_first() -> None:
+    """``before_request``: take in the whole body before any answer can leave. Hypercorn 0.18's trio worker wedges
+    a keep-alive connection whose response went out before its request body arrived (a 401 or 404 answered before
+    parsing, a GET with a body): the client's next request on it is never answered. Found by the bad-input chaos
+    drill; bounded by MAX_CONTENT_LENGTH (413) and BODY_TIMEOUT (408), as the routes' own reads are."""
+    if _has_body():
+        await request.get_data(cache=True)  # read_json takes it from the cache
+        g.body_read = True
+
+
+async def close_if_body_unread(response: Response) -> Response:
+    """``after_request``: ``Connection: close`` on a response that went out with its request body unread (413,
+    408), so the client opens a fresh connection instead of waiting on a wedged one."""
+    if _has_body() and not g.get("body_read", False):
+        response.headers["Connection"] = "close"
+    return response

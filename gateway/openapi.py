@@ -1,0 +1,163 @@
+"""The gateway's OpenAPI 3.0 document, served at ``GET /openapi.json``.
+
+Written by hand to match the routes (``tests/test_gateway_openapi.py`` checks it against the app's url_map both
+ways: nothing served undocumented, nothing documented that is not served). Bodies list every field the parsers
+accept, with ``additionalProperties: false``, because the gateway refuses unknown fields. Every error, from any
+route, is OpenAI's shape (``Error``), so fuzzers can check refusals against it. The browser pages and their static
+files (``BROWSER_ROUTES``) are not part of the API and are left out on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quart import Response
+
+Json = dict[str, Any]
+
+VERSION = "0.1.0"
+BROWSER_ROUTES = frozenset({"/", "/playground", "/usage", "/operator", "/assets/<path:filename>"})
+TENANT_AUTH: list[Json] = [{"apiKey": []}]
+ADMIN_AUTH: list[Json] = [{"adminToken": []}]
+NOTHING: list[Json] = []  # security: no credentials
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_STR = {"type": "string"}
+_OBJECT = {"type": "object"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _STR}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                           "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}}
+
+_SAMPLING = {
+    "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT, "presence_penalty": _NUM,
+    "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT, "ignore_eos": _BOOL,
+    "stop_token_ids": _TOKEN_IDS,
+}
+_COMMON = {
+    "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
+    "n": {"type": "integer", "enum": [1]}, "user": _STR,
+    "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": _BOOL}},
+    **_SAMPLING,
+}
+_CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+    **_COMMON, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": _BOOL,
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+_COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+    **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS]},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _INT}}
+_QUOTA = {"type": "object", "additionalProperties": False, "properties": {
+    **{f: {"type": "integer", "minimum": 1, "nullable": True} for f in
+       ("rpm", "tpm", "max_concurrent", "token_budget", "max_tokens_per_request", "max_prompt_tokens")},
+    "budget_period": {"type": "string", "enum": ["day", "month"], "nullable": True},
+    "allowed_models": {"type": "array", "items": _STR, "minItems": 1, "nullable": True}}}
+
+
+_ERROR_RESPONSE = {"description": "an OpenAI-shaped error",
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _body(schema: Json, required: bool = True) -> Json:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+def _fields(required: tuple[str, ...] = (), **props: Json) -> Json:
+    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
+
+
+def _param(name: str, where: str = "path", schema: Json | None = None) -> Json:
+    return {"name": name, "in": where, "required": where == "path", "schema": schema or _STR}
+
+
+def _op(summary: str, security: list[Json], *, body: Json | None = None, params: list[Json] | None = None,
+        ok: str = "200", media: str = "application/json", stream: bool = False) -> Json:
+    content: Json = {media: {"schema": _OBJECT if media == "application/json" else _STR}}
+    if stream:
+        content["text/event-stream"] = {"schema": _STR}
+    op: Json = {"summary": summary, "security": security,
+                "responses": {ok: {"description": "success", "content": content}, "default": _ERROR_RESPONSE}}
+    if body is not None:
+        op["requestBody"] = body
+    if params:
+        op["parameters"] = params
+    return op
+
+
+def _api_paths() -> Json:
+    ref, key = _param("ref"), _param("key_id")
+    since_by = [_param("since", "query"), _param("by", "query", {"type": "string", "enum": ["day", "model", "key"]})]
+    return {
+        "/v1/chat/completions": {"post": _op("Chat completion (SSE with stream: true)", TENANT_AUTH,
+                                             body=_body(_CHAT), stream=True)},
+        "/v1/completions": {"post": _op("Text completion (SSE with stream: true)", TENANT_AUTH,
+                                        body=_body(_COMPLETION), stream=True)},
+        "/v1/models": {"get": _op("The served model, if the key may use it", TENANT_AUTH)},
+        "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
+        "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(
+            model=_STR, prompt=_STR, messages={"type": "array", "items": _MESSAGE}, add_generation_prompt=_BOOL)))},
+        "/detokenize": {"post": _op("Text of token ids", TENANT_AUTH,
+                                    body=_body(_fields(("tokens",), model=_STR, tokens=_TOKEN_IDS)))},
+        "/health": {"get": _op("The process answers", NOTHING)},
+        "/ready": {"get": _op("At least one worker is ready (else 503)", NOTHING)},
+        "/version": {"get": _op("Gateway version", NOTHING)},
+        "/metrics": {"get": _op("Prometheus exposition", NOTHING, media="text/plain")},
+        "/openapi.json": {"get": _op("This document", NOTHING)},
+        "/admin/tenants": {
+            "get": _op("List tenants", ADMIN_AUTH),
+            "post": _op("Create a tenant", ADMIN_AUTH, ok="201",
+                        body=_body(_fields(("name",), name=_STR, weight={"type": "number", "minimum": 0,
+                                                                         "exclusiveMinimum": True})))},
+        "/admin/tenants/{ref}": {
+            "get": _op("Show a tenant with its keys and quota", ADMIN_AUTH, params=[ref]),
+            "patch": _op("Change a tenant's weight or log_text (one field)", ADMIN_AUTH, params=[ref],
+                         body=_body(_fields(weight=_NUM, log_text=_BOOL))),
+            "delete": _op("Delete a tenant (its usage rows stay)", ADMIN_AUTH, params=[ref])},
+        "/admin/tenants/{ref}/suspend": {"post": _op("Suspend a tenant", ADMIN_AUTH, params=[ref],
+                                                     body=_body(_fields(), required=False))},
+        "/admin/tenants/{ref}/resume": {"post": _op("Resume a tenant", ADMIN_AUTH, params=[ref],
+                                                    body=_body(_fields(), required=False))},
+        "/admin/tenants/{ref}/keys": {
+            "get": _op("List a tenant's keys", ADMIN_AUTH, params=[ref]),
+            "post": _op("Create a key (shown once)", ADMIN_AUTH, ok="201", params=[ref], body=_body(_fields(
+                label=_STR, expires_at=_NUM, expires_in_days=_NUM), required=False))},
+        "/admin/tenants/{ref}/quota": {
+            "get": _op("A tenant's (or key's) quota", ADMIN_AUTH, params=[ref, _param("key_id", "query")]),
+            "put": _op("Merge fields into a quota (null clears)", ADMIN_AUTH, params=[ref, _param("key_id", "query")],
+                       body=_body(_QUOTA))},
+        "/admin/keys": {"get": _op("List keys", ADMIN_AUTH, params=[_param("tenant", "query")])},
+        "/admin/keys/{key_id}/revoke": {"post": _op("Revoke a key", ADMIN_AUTH, params=[key],
+                                                    body=_body(_fields(), required=False))},
+        "/admin/usage": {"get": _op("Usage totals", ADMIN_AUTH, params=[_param("tenant", "query"), *since_by])},
+        "/admin/workers": {"get": _op("Live workers: Hello and last Stats", ADMIN_AUTH)},
+    }
+
+
+def document() -> Json:
+    error = _fields(("message", "type", "param", "code"), message=_STR, type=_STR,
+                    param={"type": "string", "nullable": True}, code={"type": "string", "nullable": True})
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "kvgate", "version": VERSION,
+                 "description": "OpenAI-compatible multi-tenant LLM gateway (tenant API, admin API, operations)."},
+        "paths": _api_paths(),
+        "components": {
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "a tenant key, kvg-…"},
+                                "adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "the gateway's --admin-token"}},
+            "schemas": {"Error": {"type": "object", "required": ["error"], "additionalProperties": False,
+                                  "properties": {"error": error}}}},
+    }
+
+
+_DOCUMENT = json.dumps(document(), separators=(",", ":"))  # built once: the routes do not change at run time
+
+
+async def openapi_json() -> Response:
+    return Response(_DOCUMENT, content_type="application/json")
