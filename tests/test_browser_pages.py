@@ -88,7 +88,7 @@ def test_operator_page_shows_workers_live(open_page: Any, web_server: Server, sh
     }""")
     live = _worker_row(operator)
     assert live["running"] == "1" and float(live["gen tok/s"]) > 0 and live["KV usage"].endswith(" %")
-    assert re.match(r"model tiny · 1 worker ready · 1 requests in flight · \d+\.\d output tok/s",
+    assert re.match(r"model tiny · 1 worker ready · 1 request in flight · \d+\.\d output tok/s",
                     operator.text("#summary"))
     operator.page.screenshot(path=str(shots / "operator.png"), full_page=True)
     chat.page.click("#stop")

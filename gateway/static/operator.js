@@ -56,7 +56,7 @@ function render(sample) {
     el("tbody", {}, ...rows));
   const gen = sample.data.map((w) => rates(w, before && before.get(w.worker), dt).gen).filter((v) => v !== null);
   $("summary").textContent = `model ${sample.model} · ${sample.workers_ready} worker${sample.workers_ready === 1 ? "" : "s"} ready · ${
-    sample.requests_in_flight} requests in flight · ${gen.length ? fmtNum(gen.reduce((a, b) => a + b, 0)) : "–"} output tok/s`;
+    sample.requests_in_flight} request${sample.requests_in_flight === 1 ? "" : "s"} in flight · ${gen.length ? fmtNum(gen.reduce((a, b) => a + b, 0)) : "–"} output tok/s`;
   $("status").textContent = `updated ${new Date(sample.time * 1000).toLocaleTimeString("en-GB")}`;
   previous = sample;
 }

@@ -61,12 +61,20 @@ function samplingParams() {
   return out;
 }
 
+// Keeps the newest text in view while it streams, unless the reader scrolled up to read something earlier.
+function followingBottom(update) {
+  const box = $("conversation");
+  const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  update();
+  if (atBottom) box.scrollTop = box.scrollHeight;
+}
+
 function addMessage(role, label, text) {
   const body = el("div", { class: "text" }, text);
   const stats = el("div", { class: "stats" });
   const node = el("article", { class: `msg ${role}` }, el("div", { class: "role" }, label), body, stats);
   $("conversation").append(node);
-  node.scrollIntoView({ block: "end" });
+  $("conversation").scrollTop = $("conversation").scrollHeight; // a new message always comes into view
   return { node, body, stats };
 }
 
@@ -137,9 +145,11 @@ async function readAnswer(res, answer, view) {
     answer.first = answer.first ?? performance.now();
     answer.chunks += 1;
     answer.text += delta;
-    view.body.textContent = answer.text; // text, never markup
-    view.node.dataset.state = "streaming";
-    view.stats.textContent = `streaming… ${answer.chunks} chunks`;
+    followingBottom(() => {
+      view.body.textContent = answer.text; // text, never markup
+      view.node.dataset.state = "streaming";
+      view.stats.textContent = `streaming… ${answer.chunks} chunks`;
+    });
   }
   throw new Error("the stream ended before [DONE] (connection lost)");
 }
@@ -183,7 +193,7 @@ function finish(answer, view) {
     `cached ${fmtInt(stats.cached_tokens)}`, `completion ${fmtInt(stats.completion_tokens)}`];
   if (stats.state === "stopped") parts.push("stopped");
   else if (stats.finish_reason) parts.push(`finish: ${stats.finish_reason}`);
-  view.stats.textContent = parts.join(" · ");
+  followingBottom(() => { view.stats.textContent = parts.join(" · "); });
   if (answer.text || stats.state === "done") {
     history.push({ role: "assistant", content: answer.text, stats });
   } else if (stats.state === "error" && history.length && history[history.length - 1].role === "user") {
