@@ -102,6 +102,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, D) each
+
+
 class Rotary(nn.Module):
     """cos/sin tables for every position up to the model's length, looked up by position per token."""
 
@@ -112,13 +115,16 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, D), positions: (T,) -> (T, heads, D)
-        cos = self.cos[positions][:, None, :].to(x.dtype)  # (T, 1, D)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: (T,)
+        """The step's cos/sin rows, looked up once per step and shared by every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)  # (T, 1, D)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:  # x: (T, heads, D) -> (T, heads, D)
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -129,13 +135,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = rotary(q.view(t, self.hq, self.d), positions)  # (T, Hq, D)
-        k = rotary(k.view(t, self.hkv, self.d), positions)  # (T, Hkv, D)
+        q = apply_rope(q.view(t, self.hq, self.d), rope)  # (T, Hq, D)
+        k = apply_rope(k.view(t, self.hkv, self.d), rope)  # (T, Hkv, D)
         v = v.view(t, self.hkv, self.d)  # (T, Hkv, D)
         backend.write_kv(k, v, kv[0], kv[1], meta)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
@@ -162,10 +167,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # (S,) int64: rows whose next token is sampled
     ) -> torch.Tensor:  # (S, vocab) fp32
         x = self.embed_tokens(input_ids)  # (T, H)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta, backend)
+            x = layer(x, rope, kv, meta, backend)
         x = self.norm(x[logits_indices])  # (S, H): only rows that are sampled reach the head
         return self.lm_head(x).float()
