@@ -55,6 +55,7 @@ class DrillResult:
     checks: list[Check] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)  # request accounting: kind -> count
     measurements: dict[str, Measure] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # bulky evidence: in --json-out, not in the table
     seconds: float = 0.0
     error: str | None = None  # the drill itself broke (a bug in the drill or a deployment that never started)
     log_tail: str = ""  # the deployment's last log lines when something failed

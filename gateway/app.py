@@ -282,7 +282,7 @@ def create_app(state: GatewayState) -> QuartTrio:
         return Response(text + gm.render(), content_type=metrics.CONTENT_TYPE)
 
     app.register_blueprint(create_admin_blueprint(ten.store, cfg.tenancy.admin_token, ten.auth.invalidate))
-    app.add_url_rule("/openapi.json", "openapi", openapi.openapi_json, methods=["GET"])  # drills, fuzzers, SDKs
+    app.add_url_rule("/openapi.json", "openapi", openapi.route(cfg.model_name), methods=["GET"])  # for fuzzers, SDKs
     app.before_request(read_body_first)  # a keep-alive connection must not wedge on an unread body
     app.after_request(close_if_body_unread)
     app.register_blueprint(create_web_blueprint(state))  # pages, security headers, CORS, /admin/workers

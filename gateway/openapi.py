@@ -10,6 +10,7 @@ files (``BROWSER_ROUTES``) are not part of the API and are left out on purpose.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from quart import Response
@@ -64,6 +65,10 @@ _ERROR_RESPONSE = {"description": "an OpenAI-shaped error",
                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 
+def _with_model(schema: Json, model: Json) -> Json:
+    return {**schema, "properties": {**schema["properties"], "model": model}}
+
+
 def _body(schema: Json, required: bool = True) -> Json:
     return {"required": required, "content": {"application/json": {"schema": schema}}}
 
@@ -90,14 +95,15 @@ def _op(summary: str, security: list[Json], *, body: Json | None = None, params:
     return op
 
 
-def _api_paths() -> Json:
+def _api_paths(model: Json) -> Json:
     ref, key = _param("ref"), _param("key_id")
+    chat, completion = _with_model(_CHAT, model), _with_model(_COMPLETION, model)
     since_by = [_param("since", "query"), _param("by", "query", {"type": "string", "enum": ["day", "model", "key"]})]
     return {
         "/v1/chat/completions": {"post": _op("Chat completion (SSE with stream: true)", TENANT_AUTH,
-                                             body=_body(_CHAT), stream=True)},
+                                             body=_body(chat), stream=True)},
         "/v1/completions": {"post": _op("Text completion (SSE with stream: true)", TENANT_AUTH,
-                                        body=_body(_COMPLETION), stream=True)},
+                                        body=_body(completion), stream=True)},
         "/v1/models": {"get": _op("The served model, if the key may use it", TENANT_AUTH)},
         "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
         "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(
@@ -139,14 +145,15 @@ def _api_paths() -> Json:
     }
 
 
-def document() -> Json:
+def document(model_name: str | None = None) -> Json:
+    """The whole document; with ``model_name`` the generation routes' ``model`` is that name only."""
     error = _fields(("message", "type", "param", "code"), message=_STR, type=_STR,
                     param={"type": "string", "nullable": True}, code={"type": "string", "nullable": True})
     return {
         "openapi": "3.0.3",
         "info": {"title": "kvgate", "version": VERSION,
                  "description": "OpenAI-compatible multi-tenant LLM gateway (tenant API, admin API, operations)."},
-        "paths": _api_paths(),
+        "paths": _api_paths(_STR if model_name is None else {"type": "string", "enum": [model_name]}),
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "a tenant key, kvg-…"},
                                 "adminToken": {"type": "http", "scheme": "bearer",
@@ -156,8 +163,12 @@ def document() -> Json:
     }
 
 
-_DOCUMENT = json.dumps(document(), separators=(",", ":"))  # built once: the routes do not change at run time
+def route(model_name: str) -> Callable[[], Awaitable[Response]]:
+    """The ``GET /openapi.json`` handler of a gateway serving ``model_name`` (the one value ``model`` may take, so
+    generated requests reach the model instead of a 404). Built once: the routes do not change at run time."""
+    body = json.dumps(document(model_name), separators=(",", ":"))
 
+    async def openapi_json() -> Response:
+        return Response(body, content_type="application/json")
 
-async def openapi_json() -> Response:
-    return Response(_DOCUMENT, content_type="application/json")
+    return openapi_json

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chaos.drills.base import Drill
+from chaos.drills.bad_input import BadInput
 from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.overload import Overload
 from chaos.drills.slow_steps import SlowSteps
@@ -10,7 +11,7 @@ from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
-    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload()]
+    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), BadInput()]
 
 
 def by_name() -> dict[str, Drill]:

@@ -56,8 +56,8 @@ class WorkerKill(Drill):
         took, _ = await wait_replaced(ctx, victim, RESTART_WITHIN_S, since=run.fault_at)
         result.measurements["worker_back_after_s"] = None if took is None else round(took, 1)
         serves, how = await still_serves(ctx.client, ctx.target)
-        result.add(check("the worker is back and serving", took is not None and serves,
-                         f"new worker {took:.1f}s after the kill, probe {how}" if took is not None else "no new worker"))
+        back = f"new worker {took:.1f}s after the kill, probe {how}" if took is not None else "no new worker"
+        result.add(check("the worker is back and serving", took is not None and serves, back))
         result.add(*await ledger_checks(ctx, since, run.outcomes))
         result.add(*await quiet_checks(ctx, within=30.0))
 
