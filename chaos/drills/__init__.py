@@ -5,13 +5,14 @@ from __future__ import annotations
 from chaos.drills.base import Drill
 from chaos.drills.bad_input import BadInput
 from chaos.drills.disconnect_storm import DisconnectStorm
+from chaos.drills.gateway_kill import GatewayKill
 from chaos.drills.overload import Overload
 from chaos.drills.slow_steps import SlowSteps
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
-    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), BadInput()]
+    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), GatewayKill(), BadInput()]
 
 
 def by_name() -> dict[str, Drill]:

@@ -1,0 +1,15 @@
+"""Chaos drills that restart or break what the deployment stands on, at their --quick size: the gateway SIGKILLed
+under load and started again (ledger = responses that got their final chunk, no orphaned worker, quotas consistent
+with the ledger). Each spawns its own deployment (tiny model, fresh store, loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos_support import assert_passed, run_quick
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_gateway_kill_quick() -> None:
+    assert_passed(run_quick("gateway-kill"))
