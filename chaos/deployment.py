@@ -57,6 +57,16 @@ class Deployment:
         self.starts = 0
         self._seen_workers: set[int] = set()  # every worker pid this deployment ever had: none may outlive it
 
+    def sibling(self, serve_args: tuple[str, ...]) -> Deployment:
+        """A second gateway (its own port, log and workers) on this deployment's store, secret, admin token and
+        Redis: several gateways behind one load balancer. Not started; the caller starts and stops it."""
+        spec = DeploymentSpec(self.spec.model, self.spec.workers, (*self.spec.serve_args, *serve_args),
+                              self.spec.redis, self.spec.torch_threads, self.spec.served_name, self.spec.env)
+        twin = Deployment(spec, self.workdir, self.redis_url)
+        twin.admin_token, twin.secret = self.admin_token, self.secret
+        twin.log_path = self.workdir / f"gateway-{twin.port}.log"
+        return twin
+
     def command(self) -> list[str]:
         s = self.spec
         cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(self.port),

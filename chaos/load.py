@@ -89,7 +89,7 @@ class LoadGenerator:
         self.in_flight = 0
         self.streaming: set[int] = set()  # requests that have seen a content event and not ended
         self._progress = trio.Event()  # set (and replaced) whenever a request starts streaming or ends
-        self._scope = trio.CancelScope()
+        self._scopes: set[trio.CancelScope] = set()  # one per run() in progress
 
     async def run(self, specs: Sequence[RequestSpec]) -> list[Outcome]:
         limiter = trio.CapacityLimiter(self.concurrency)
@@ -97,16 +97,22 @@ class LoadGenerator:
         timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)  # deadlines are per request
         base = len(self.outcomes)
         self.outcomes.extend(Outcome(base + i) for i in range(len(specs)))
-        with self._scope:
-            async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
-                async with trio.open_nursery() as nursery:
-                    for i, spec in enumerate(specs):
-                        nursery.start_soon(self._one, client, limiter, spec, self.outcomes[base + i])
+        scope = trio.CancelScope()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
+                    async with trio.open_nursery() as nursery:
+                        for i, spec in enumerate(specs):
+                            nursery.start_soon(self._one, client, limiter, spec, self.outcomes[base + i])
+        finally:
+            self._scopes.discard(scope)
         return self.outcomes[base:]
 
     def stop(self) -> None:
-        """End the load now: whatever has not ended by itself counts as hung."""
-        self._scope.cancel()
+        """End every run of this load now: whatever has not ended by itself counts as hung."""
+        for scope in self._scopes:
+            scope.cancel()
 
     async def wait_done(self, timeout: float) -> bool:
         """Until every request sent so far has ended (True) or ``timeout`` passes (False)."""

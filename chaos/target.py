@@ -90,7 +90,8 @@ async def slots_held(client: httpx.AsyncClient, target: Target) -> int | None:
     None when it cannot be observed (no admin token, or an answer that says neither)."""
     if not target.admin_token or not target.probe_key:
         return None
-    before = await set_quota(client, target, {"max_concurrent": 1})
+    # Rate limits off for the probe (a drill may have spent them): only the concurrency limit may answer.
+    before = await set_quota(client, target, {"max_concurrent": 1, "rpm": None, "tpm": None})
     try:
         with trio.fail_after(60):
             r = await client.post(f"{target.url}/v1/completions",
@@ -98,7 +99,7 @@ async def slots_held(client: httpx.AsyncClient, target: Target) -> int | None:
                                   json={"model": target.model, "prompt": "probe", "max_tokens": 1})
     finally:
         with trio.CancelScope(shield=True):
-            await set_quota(client, target, {"max_concurrent": before.get("max_concurrent")})
+            await set_quota(client, target, {k: before.get(k) for k in ("max_concurrent", "rpm", "tpm")})
     if r.status_code == 200:
         return 0
     found = _IN_FLIGHT_RE.search(r.text)

@@ -1,6 +1,7 @@
 """Chaos drills that restart or break what the deployment stands on, at their --quick size: the gateway SIGKILLed
 under load and started again (ledger = responses that got their final chunk, no orphaned worker, quotas consistent
-with the ledger). Each spawns its own deployment (tiny model, fresh store, loopback)."""
+with the ledger), Redis stopped and restarted under two gateways. Each spawns its own deployment (tiny model, fresh
+store, loopback)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,12 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_gateway_kill_quick() -> None:
     assert_passed(run_quick("gateway-kill"))
+
+
+def test_redis_outage_quick() -> None:
+    """Two gateways on one Redis (fail-closed and fail-open); Redis stopped 6 s and restarted empty."""
+    from chaos.redis_proc import redis_available
+
+    if not redis_available():
+        pytest.skip("redis-server is not on PATH (make test installs it)")
+    assert_passed(run_quick("redis-outage"))

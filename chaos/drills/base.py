@@ -99,7 +99,8 @@ async def quiet_checks(ctx: DrillContext, within: float) -> list[Check]:
     out = [check("quiet afterwards (running, waiting, KV, in flight, streams all 0)", quiet,
                  f"{metrics.quiet_detail(snap)} after {took:.1f}s")]
     held = await slots_held(ctx.client, ctx.target)
-    out.append(skipped("0 concurrency slots held", "no admin token") if held is None
+    out.append(skipped("0 concurrency slots held", "not observable: no admin token, or the probe was refused "
+                                                    "for another reason") if held is None
                else equal("0 concurrency slots held", held, 0))
     return out
 
