@@ -1,4 +1,4 @@
-"""Chaos drills about clients at their --quick size: a disconnect storm and an overload burst.
+"""Chaos drills about clients at their --quick size: a disconnect storm, an overload burst, slow readers.
 
 Each spawns its own deployment (gateway + one worker on a tiny random model, fresh store, loopback). Afterwards
 nothing may be held for anyone (running, KV, slots), the ledger must match the responses, and an overload may only
@@ -20,3 +20,8 @@ def test_disconnect_storm_quick() -> None:
 
 def test_overload_quick() -> None:
     assert_passed(run_quick("overload"))
+
+
+def test_slow_readers_quick() -> None:
+    """About a minute: the gateway gives a stalled stream 60 s (CONSUMER_STALL_S) before it cuts it."""
+    assert_passed(run_quick("slow-readers"))

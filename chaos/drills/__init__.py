@@ -8,13 +8,14 @@ from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.gateway_kill import GatewayKill
 from chaos.drills.overload import Overload
 from chaos.drills.redis_outage import RedisOutage
+from chaos.drills.slow_readers import SlowReaders
 from chaos.drills.slow_steps import SlowSteps
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
-    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), RedisOutage(), GatewayKill(),
-            BadInput()]
+    return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
+            GatewayKill(), BadInput()]
 
 
 def by_name() -> dict[str, Drill]:
