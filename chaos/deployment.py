@@ -8,6 +8,7 @@ left: a drill that SIGKILLs a gateway must not leave workers behind on the machi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -34,6 +35,7 @@ class DeploymentSpec:
     torch_threads: int | None = None  # OMP_NUM_THREADS of the workers (None: torch's default)
     served_name: str = "chaos"
     env: tuple[tuple[str, str], ...] = ()  # extra environment of the gateway (its workers inherit it)
+    store_subdir: str = ""  # the store lives in this folder of the deployment's directory (a drill may mount it)
 
 
 def free_port() -> int:
@@ -51,7 +53,7 @@ class Deployment:
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = "chaos-admin-" + secrets.token_hex(16)
         self.secret = secrets.token_hex(32)
-        self.db_path = workdir / "kvgate.db"
+        self.db_path = workdir / spec.store_subdir / "kvgate.db"
         self.log_path = workdir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -60,8 +62,7 @@ class Deployment:
     def sibling(self, serve_args: tuple[str, ...]) -> Deployment:
         """A second gateway (its own port, log and workers) on this deployment's store, secret, admin token and
         Redis: several gateways behind one load balancer. Not started; the caller starts and stops it."""
-        spec = DeploymentSpec(self.spec.model, self.spec.workers, (*self.spec.serve_args, *serve_args),
-                              self.spec.redis, self.spec.torch_threads, self.spec.served_name, self.spec.env)
+        spec = dataclasses.replace(self.spec, serve_args=(*self.spec.serve_args, *serve_args))
         twin = Deployment(spec, self.workdir, self.redis_url)
         twin.admin_token, twin.secret = self.admin_token, self.secret
         twin.log_path = self.workdir / f"gateway-{twin.port}.log"

@@ -112,6 +112,7 @@ async def _spawned(drill: Drill, options: RunOptions, sizing: Sizing, client: ht
     redis = RedisProcess(workdir / "redis") if spec.redis else None
     deployment: Deployment | None = None
     try:
+        await drill.prepare(workdir)
         if redis is not None:
             await redis.start()
         deployment = Deployment(spec, workdir, redis.url if redis is not None else None)
@@ -125,6 +126,7 @@ async def _spawned(drill: Drill, options: RunOptions, sizing: Sizing, client: ht
                 await trio.to_thread.run_sync(deployment.stop)
             if redis is not None:
                 redis.stop()
+            drill.cleanup(workdir)
         if options.keep:
             print(f"kept {workdir}")
         else:

@@ -1,7 +1,7 @@
 """Chaos drills that restart or break what the deployment stands on, at their --quick size: the gateway SIGKILLed
 under load and started again (ledger = responses that got their final chunk, no orphaned worker, quotas consistent
-with the ledger), Redis stopped and restarted under two gateways. Each spawns its own deployment (tiny model, fresh
-store, loopback)."""
+with the ledger), Redis stopped and restarted under two gateways, the store locked and then its disk full. Each
+spawns its own deployment (tiny model, fresh store, loopback)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def test_redis_outage_quick() -> None:
     if not redis_available():
         pytest.skip("redis-server is not on PATH (make test installs it)")
     assert_passed(run_quick("redis-outage"))
+
+
+def test_store_trouble_quick() -> None:
+    """The store locked 15 s by another writer, then its tmpfs full 15 s (that phase skips without root)."""
+    assert_passed(run_quick("store-trouble"))

@@ -10,12 +10,13 @@ from chaos.drills.overload import Overload
 from chaos.drills.redis_outage import RedisOutage
 from chaos.drills.slow_readers import SlowReaders
 from chaos.drills.slow_steps import SlowSteps
+from chaos.drills.store_trouble import StoreTrouble
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 
 def all_drills() -> list[Drill]:
     return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
-            GatewayKill(), BadInput()]
+            StoreTrouble(), GatewayKill(), BadInput()]
 
 
 def by_name() -> dict[str, Drill]:

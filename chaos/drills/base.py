@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -69,6 +70,12 @@ class Drill:
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
         return DeploymentSpec(sizing.model_dir, torch_threads=1 if sizing.quick else None)
+
+    async def prepare(self, workdir: Path) -> None:
+        """Before a spawned deployment starts in ``workdir`` (e.g. mount something there)."""
+
+    def cleanup(self, workdir: Path) -> None:
+        """After the spawned deployment in ``workdir`` stopped: undo ``prepare``."""
 
     def quota(self, sizing: Sizing) -> dict[str, Any] | None:
         """The drill tenant's quota (a PUT /admin/.../quota body), or None for unlimited."""

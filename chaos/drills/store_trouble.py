@@ -1,0 +1,155 @@
+"""Drill 8: the SQLite store in trouble under load: first locked by another writer (longer than the store's 10 s busy
+timeout), then its disk full (the store lives on a small tmpfs the drill fills up; needs root to mount, else that
+phase is skipped with the reason).
+
+Verdict: every request ends cleanly (200, or 503 with retry-after; no other 5xx, no hang), the gateway does not
+crash, and once the store recovers no completed request is missing from the ledger.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import trio
+
+from chaos import ledger
+from chaos.deployment import DeploymentSpec
+from chaos.drills.base import Drill, DrillContext, Sizing, prompt_ids, quiet_checks, record_outcomes
+from chaos.drills.streams import COMPLETIONS
+from chaos.load import Outcome, RequestSpec
+from chaos.procs import alive
+from chaos.target import still_serves
+from chaos.verdict import Check, DrillResult, check, skipped
+
+STORE = "store"
+TMPFS_SIZE = "16m"
+ROWS_WITHIN_S = 60.0  # the ledger writer retries with a backoff of at most 2 s
+
+
+def hold_write_lock(db: Path, release: threading.Event, seconds: float) -> None:
+    """Another writer: BEGIN EXCLUSIVE on the store for ``seconds`` (or until ``release``)."""
+    conn = sqlite3.connect(str(db), timeout=30.0, isolation_level=None)
+    try:
+        conn.execute("BEGIN EXCLUSIVE")
+        release.wait(seconds)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def fill_disk(path: Path) -> int:
+    """Write zeros to ``path`` until the file system is full; returns the bytes written."""
+    written = 0
+    with path.open("wb") as f:
+        block = b"\0" * 65536
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+                written += len(block)
+        except OSError:
+            pass
+    return written
+
+
+class StoreTrouble(Drill):
+    name = "store-trouble"
+    summary = ("the SQLite store locked by another writer, then its disk full (a small tmpfs): clean 503s, no "
+               "completed request missing from the ledger once the store recovers, no crash")
+    spawn_only = True  # it locks and fills the store under the gateway
+    needs_processes = True
+    FAULT_S: ClassVar[dict[bool, float]] = {True: 15.0, False: 40.0}
+    _mounted: ClassVar[dict[Path, bool]] = {}
+
+    def spec(self, sizing: Sizing) -> DeploymentSpec:
+        return DeploymentSpec(sizing.model_dir, store_subdir=STORE, torch_threads=1 if sizing.quick else None)
+
+    async def prepare(self, workdir: Path) -> None:
+        (workdir / STORE).mkdir()
+        done = await trio.run_process(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0755", "tmpfs",
+                                       str(workdir / STORE)], check=False, capture_stdout=True, capture_stderr=True)
+        self._mounted[workdir] = done.returncode == 0
+
+    def cleanup(self, workdir: Path) -> None:
+        if self._mounted.pop(workdir, False):
+            subprocess.run(["umount", str(workdir / STORE)], check=False, capture_output=True)
+
+    async def run(self, ctx: DrillContext, result: DrillResult) -> None:
+        if ctx.deployment is None or ctx.target.db_path is None:
+            raise RuntimeError("store-trouble needs a spawned deployment")
+        seconds = self.FAULT_S[ctx.sizing.quick]
+        result.load = (f"4 concurrent small requests (half streaming) for {seconds:g}s while the store is locked "
+                       f"(BEGIN EXCLUSIVE), then {seconds:g}s with its {TMPFS_SIZE} tmpfs full")
+        gateway = ctx.gateway_pid
+        since = time.time()
+        release = threading.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, hold_write_lock, ctx.target.db_path, release, seconds)
+            locked = await self._load_for(ctx, seconds)
+            release.set()
+        result.add(*self._answers("store locked", locked))
+        result.add(*await self._rows("store locked", ctx, since, locked))
+        full = await self._disk_full(ctx, result, seconds)
+        record_outcomes(result, [*locked, *full])
+        result.add(check("the gateway never crashed", gateway is not None and alive(gateway), f"pid {gateway}"))
+        serves, how = await still_serves(ctx.client, ctx.target)
+        result.add(check("serving after the store recovered", serves, how))
+        result.add(*await quiet_checks(ctx, within=60.0))
+        log = ctx.deployment.log_text()
+        locked_fails, full_fails = log.count("database is locked"), log.count("disk is full")
+        result.measurements.update(commits_failed_locked=locked_fails, commits_failed_disk_full=full_fails)
+        result.add(check("the faults were real (the gateway's ledger commits failed during them)",
+                         locked_fails > 0 and (full_fails > 0 or not full),
+                         f"'database is locked' x{locked_fails}, 'disk is full' x{full_fails} in the gateway log"))
+
+    async def _disk_full(self, ctx: DrillContext, result: DrillResult, seconds: float) -> list[Outcome]:
+        store = ctx.target.db_path.parent if ctx.target.db_path else None
+        if store is None or ctx.deployment is None or not self._mounted.get(ctx.deployment.workdir, False):
+            result.add(skipped("disk full: clean answers, rows complete after recovery",
+                               "could not mount a tmpfs for the store (needs root)"))
+            return []
+        since = time.time()
+        filler = store / "filler"
+        result.measurements["filler_bytes"] = await trio.to_thread.run_sync(fill_disk, filler)
+        try:
+            full = await self._load_for(ctx, seconds)
+        finally:
+            filler.unlink()
+        result.add(*self._answers("disk full", full))
+        result.add(*await self._rows("disk full", ctx, since, full))
+        return full
+
+    async def _load_for(self, ctx: DrillContext, seconds: float) -> list[Outcome]:
+        load = ctx.load(4)
+        end = trio.current_time() + seconds
+        while trio.current_time() < end:
+            specs = [RequestSpec(COMPLETIONS, ctx.completion(prompt_ids(ctx.rng, 16), 8, stream=i % 2 == 0), 120.0)
+                     for i in range(4)]
+            await load.run(specs)
+        return load.outcomes
+
+    def _answers(self, phase: str, outcomes: list[Outcome]) -> list[Check]:
+        bad = [o for o in outcomes if not o.clean or o.status not in (200, 503)
+               or (o.status == 503 and not (o.retry_after or "").isdigit())]
+        kinds = sorted({f"{o.kind}:{o.status}:{o.code}" for o in bad})
+        worst = max((o.ended_at - o.started for o in outcomes if o.ended_at is not None), default=0.0)
+        return [check(f"{phase}: every request answered 200 or 503 with retry-after (no other 5xx, no hang)",
+                      bool(outcomes) and not bad, f"{len(outcomes)} requests, slowest {worst:.1f}s"
+                      + (f"; {len(bad)} bad: {', '.join(kinds[:4])}" if bad else ""))]
+
+    async def _rows(self, phase: str, ctx: DrillContext, since: float, outcomes: list[Outcome]) -> list[Check]:
+        done = {o.request_id for o in outcomes if o.kind == "completed" and o.request_id}
+        missing = set(done)
+        with trio.move_on_after(ROWS_WITHIN_S):
+            while missing:
+                rows = await ledger.rows(ctx.target, since) or []
+                missing = done - {r.request_id for r in rows}
+                if missing:
+                    await trio.sleep(0.5)
+        return [check(f"{phase}: no completed request missing from the ledger once the store recovers",
+                      not missing, f"{len(done) - len(missing)}/{len(done)} rows within {ROWS_WITHIN_S:g}s")]
