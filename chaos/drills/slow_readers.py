@@ -19,7 +19,7 @@ from chaos.deployment import DeploymentSpec
 from chaos.drills.base import Drill, DrillContext, Sizing, prompt_ids, quiet_checks, record_outcomes
 from chaos.drills.streams import COMPLETIONS, long_streams
 from chaos.load import Outcome, RequestSpec, percentile
-from chaos.metrics import scrape, wait_quiet
+from chaos.metrics import MetricsWatch, scrape, wait_quiet
 from chaos.procs import RssWatch
 from chaos.rawhttp import build
 from chaos.verdict import Check, DrillResult, at_most, check
@@ -28,9 +28,12 @@ SLOW_READERS = 50
 NORMAL = 4
 READ_BYTES, READ_EVERY_S = 4, 1.0
 RCVBUF = 2048  # the kernel doubles it; small, so backpressure reaches the gateway within seconds
+LOGPROBS = 20  # 20 alternatives per token make each event about 1.5 KB: the socket buffers fill in a few dozen tokens
 CUT_WITHIN_S = 180.0  # the gateway's consumer-stall timeout (60 s) after its buffers fill, with room to spare
-GATEWAY_GROWTH_MIB = 256.0
+# What a stalled stream may cost the gateway: its 16-event SSE buffer and socket buffers need well under 1 MiB.
+GATEWAY_MIB_PER_READER = 2.0
 CANCELLED = "kvgate:client_cancellations_total"
+PENDING = "kvgate:ipc_pending_outputs"
 
 
 async def slow_reader(host: str, port: int, request: bytes, stop: trio.Event) -> int:
@@ -63,23 +66,25 @@ class SlowReaders(Drill):
                               torch_threads=1 if sizing.quick else None)
 
     def _reader_body(self, ctx: DrillContext, max_tokens: int) -> bytes:
-        body = json.dumps(ctx.completion(prompt_ids(ctx.rng, 16), max_tokens)).encode()
+        body = json.dumps(ctx.completion(prompt_ids(ctx.rng, 16), max_tokens, logprobs=LOGPROBS)).encode()
         return build("POST", COMPLETIONS, body, [(b"Authorization", f"Bearer {ctx.target.api_key}".encode()),
                                                  (b"Content-Type", b"application/json")])
 
     async def run(self, ctx: DrillContext, result: DrillResult) -> None:
         reader_tokens, normal_tokens = (2000, 100) if ctx.sizing.model == "tiny" else (1024, 32)
         result.load = (f"{NORMAL} normal streams ({normal_tokens} tokens) beside {SLOW_READERS} streams of "
-                       f"{reader_tokens} tokens, first read at full speed (baseline), then by clients reading "
-                       f"{READ_BYTES} bytes every {READ_EVERY_S:g}s (receive buffer {RCVBUF} B)")
-        fast = [RequestSpec(COMPLETIONS, ctx.completion(prompt_ids(ctx.rng, 16), reader_tokens), 600.0)
-                for _ in range(SLOW_READERS)]
+                       f"{reader_tokens} tokens with logprobs {LOGPROBS}, first read at full speed (baseline), then "
+                       f"by clients reading {READ_BYTES} bytes every {READ_EVERY_S:g}s (receive buffer {RCVBUF} B)")
+        fast = [RequestSpec(COMPLETIONS, ctx.completion(prompt_ids(ctx.rng, 16), reader_tokens, logprobs=LOGPROBS),
+                            600.0) for _ in range(SLOW_READERS)]
         baseline = await self._normal_beside(ctx, normal_tokens, fast_specs=fast)
         await wait_quiet(ctx.client, ctx.target.url, 60.0)  # the baseline's readers are all gone and counted
         before = await scrape(ctx.client, ctx.target.url)
         watch = RssWatch({"gateway": ctx.gateway_pid}) if ctx.gateway_pid else None
+        backlog = MetricsWatch(ctx.client, ctx.target.url, (PENDING,), interval=1.0)
         async with trio.open_nursery() as nursery:
             stop = trio.Event()
+            nursery.start_soon(backlog.run)
             if watch is not None:
                 nursery.start_soon(watch.run)
             parts = urlsplit(ctx.target.url)
@@ -92,12 +97,14 @@ class SlowReaders(Drill):
             stop.set()
             nursery.cancel_scope.cancel()
         record_outcomes(result, [*baseline, *beside])
+        # Outputs the workers sent that no client has taken yet: what a stalled stream makes the gateway hold.
+        result.measurements["peak_pending_outputs"] = int(backlog.peak[PENDING])
         result.add(*self._latency(result, baseline, beside))
         result.add(check(f"stalled streams cut within {CUT_WITHIN_S:g}s", cut_after is not None,
                          "never" if cut_after is None else f"all {SLOW_READERS} after {cut_after:.0f}s"))
         if watch is not None:
-            result.add(at_most("gateway memory bounded (RSS growth)", round(watch.growth_mib("gateway"), 1),
-                               GATEWAY_GROWTH_MIB, " MiB"))
+            result.add(at_most(f"gateway memory bounded (RSS growth <= {GATEWAY_MIB_PER_READER:g} MiB per slow reader)",
+                               round(watch.growth_mib("gateway"), 1), GATEWAY_MIB_PER_READER * SLOW_READERS, " MiB"))
         result.add(*await quiet_checks(ctx, within=60.0))
 
     async def _normal_beside(self, ctx: DrillContext, tokens: int,
