@@ -62,8 +62,8 @@ def run(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     started = time.time()
-    results = trio.run(run_drills, [known[n] for n in names], options)
-    render(results)
+    results = trio.run(run_drills, [known[n] for n in names], options, render_one)
+    render_summary(results)
     if json_out is not None:
         report = {"machine": machine(), "size": "quick" if quick else "full", "started_at": started,
                   "model": options.model or ("tiny" if quick else "smollm2"), "url": url,
@@ -72,29 +72,32 @@ def run(
     raise typer.Exit(0 if all(r.passed for r in results) else 1)
 
 
-def render(results: list[DrillResult]) -> None:
-    for r in results:
-        verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
-        table = Table(title=f"{r.drill} ({r.size}, {r.seconds:.0f}s): {verdict}", title_justify="left",
-                      show_header=True, expand=False)
-        table.add_column("check")
-        table.add_column("", width=4)
-        table.add_column("detail", overflow="fold")
-        for c in r.checks:
-            style = {"pass": "green", "FAIL": "red", "skip": "yellow"}[c.status]
-            table.add_row(c.name, f"[{style}]{c.status}[/]", c.detail)
-        if r.error:
-            table.add_row("drill ran to the end", "[red]FAIL[/]", r.error)
-        console.print(table)
-        if r.load:
-            console.print(f"  load: {r.load}")
-        if r.outcomes:
-            console.print("  requests: " + ", ".join(f"{k} {v}" for k, v in r.outcomes.items()))
-        if r.measurements:
-            console.print("  measured: " + ", ".join(f"{k}={v}" for k, v in r.measurements.items()))
-        if r.log_tail and not r.passed:
-            console.print("  gateway log (tail):", style="dim")
-            console.print(r.log_tail[-1500:], style="dim", markup=False, highlight=False)
+def render_one(r: DrillResult) -> None:
+    """One drill's verdict: its checks as a table, then its load, request accounting and measurements."""
+    verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+    table = Table(title=f"{r.drill} ({r.size}, {r.seconds:.0f}s): {verdict}", title_justify="left",
+                  show_header=True, expand=False)
+    table.add_column("check")
+    table.add_column("", width=4)
+    table.add_column("detail", overflow="fold")
+    for c in r.checks:
+        style = {"pass": "green", "FAIL": "red", "skip": "yellow"}[c.status]
+        table.add_row(c.name, f"[{style}]{c.status}[/]", c.detail)
+    if r.error:
+        table.add_row("drill ran to the end", "[red]FAIL[/]", r.error)
+    console.print(table)
+    if r.load:
+        console.print(f"  load: {r.load}")
+    if r.outcomes:
+        console.print("  requests: " + ", ".join(f"{k} {v}" for k, v in r.outcomes.items()))
+    if r.measurements:
+        console.print("  measured: " + ", ".join(f"{k}={v}" for k, v in r.measurements.items()))
+    if r.log_tail and not r.passed:
+        console.print("  gateway log (tail):", style="dim")
+        console.print(r.log_tail[-1500:], style="dim", markup=False, highlight=False)
+
+
+def render_summary(results: list[DrillResult]) -> None:
     summary = Table("drill", "verdict", "seconds", title="chaos drills", title_justify="left")
     for r in results:
         summary.add_row(r.drill, "[green]PASS[/]" if r.passed else "[red]FAIL[/]", f"{r.seconds:.0f}")

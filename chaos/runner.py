@@ -8,7 +8,7 @@ import random
 import shutil
 import tempfile
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +49,15 @@ class RunOptions:
         return Sizing(self.quick, model, model)
 
 
-async def run_drills(drills: Sequence[Drill], options: RunOptions) -> list[DrillResult]:
+async def run_drills(drills: Sequence[Drill], options: RunOptions,
+                     on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:
+    """Each drill in turn (``on_result`` sees each verdict as soon as it is in: full runs take a while)."""
     sizing = await trio.to_thread.run_sync(options.sizing) if options.url is None else Sizing(options.quick, "", "")
     results = []
     for drill in drills:
         results.append(await run_drill(drill, options, sizing))
+        if on_result is not None:
+            on_result(results[-1])
     return results
 
 
