@@ -40,12 +40,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway.server")
 
 GRACEFUL_TIMEOUT_S = 5.0
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn (4096 on current Linux)
 
 
 def _hypercorn_config(cfg: GatewayConfig) -> HyperConfig:
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = GRACEFUL_TIMEOUT_S  # deliberate: the default 3 s would cut streams on SIGTERM
+    # Hypercorn's default listen backlog (100) overflowed under a burst of 640 connections (the overload drill):
+    # the kernel dropped handshakes and clients saw resets, not the 429/503 the gateway would have answered.
+    hc.backlog = LISTEN_BACKLOG
     hc.accesslog = None  # request lines carry no prompt, but per-request logging is the tracing issue's job
     hc.errorlog = logging.getLogger("hypercorn.error")
     return hc
