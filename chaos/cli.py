@@ -23,6 +23,7 @@ from chaos.verdict import DrillResult, machine
 app = typer.Typer(help="Drills that break a live kvgate deployment on purpose and report what survived.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
+_VERDICT_STYLE = {"PASS": "[green]PASS[/]", "FAIL": "[red]FAIL[/]", "SKIP": "[yellow]SKIP[/]"}
 
 
 @app.command("list")
@@ -74,7 +75,7 @@ def run(
 
 def render_one(r: DrillResult) -> None:
     """One drill's verdict: its checks as a table, then its load, request accounting and measurements."""
-    verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+    verdict = _VERDICT_STYLE[r.verdict]
     table = Table(title=f"{r.drill} ({r.size}, {r.seconds:.0f}s): {verdict}", title_justify="left",
                   show_header=True, expand=False)
     table.add_column("check")
@@ -85,6 +86,8 @@ def render_one(r: DrillResult) -> None:
         table.add_row(c.name, f"[{style}]{c.status}[/]", c.detail)
     if r.error:
         table.add_row("drill ran to the end", "[red]FAIL[/]", r.error)
+    if r.not_run:
+        table.add_row("not run here", "[yellow]skip[/]", r.not_run)
     console.print(table)
     if r.load:
         console.print(f"  load: {r.load}")
@@ -100,7 +103,7 @@ def render_one(r: DrillResult) -> None:
 def render_summary(results: list[DrillResult]) -> None:
     summary = Table("drill", "verdict", "seconds", title="chaos drills", title_justify="left")
     for r in results:
-        summary.add_row(r.drill, "[green]PASS[/]" if r.passed else "[red]FAIL[/]", f"{r.seconds:.0f}")
+        summary.add_row(r.drill, _VERDICT_STYLE[r.verdict], f"{r.seconds:.0f}")
     console.print(summary)
 
 

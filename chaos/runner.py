@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -64,7 +65,7 @@ async def run_drills(drills: Sequence[Drill], options: RunOptions,
 async def run_drill(drill: Drill, options: RunOptions, sizing: Sizing) -> DrillResult:
     result = DrillResult(drill.name, "quick" if options.quick else "full")
     if options.url is not None and drill.spawn_only:
-        result.error = "needs a deployment of its own (--spawn): it restarts or breaks what it runs on"
+        result.not_run = "needs a deployment of its own (no --url): it restarts or breaks what it runs on"
         return result
     started = trio.current_time()
     deployment: Deployment | None = None
@@ -89,7 +90,7 @@ async def _context(drill: Drill, options: RunOptions, sizing: Sizing) -> AsyncIt
     rng = random.Random(f"{options.seed}:{drill.name}")
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
         if options.url is not None:
-            target = await _url_target(client, options)
+            target = await _url_target(client, options, drill.quota(sizing))
             pid = procs.listening_pid(options.url)
             if drill.needs_processes and pid is None:
                 raise RuntimeError("cannot see the gateway's process on this host: signals need its pid")
@@ -99,10 +100,10 @@ async def _context(drill: Drill, options: RunOptions, sizing: Sizing) -> AsyncIt
             yield ctx
 
 
-async def _url_target(client: httpx.AsyncClient, options: RunOptions) -> Target:
+async def _url_target(client: httpx.AsyncClient, options: RunOptions, quota: dict[str, Any] | None) -> Target:
     url = (options.url or "").rstrip("/")
     if options.admin_token:
-        return await provision(client, url, options.admin_token)
+        return await provision(client, url, options.admin_token, quota=quota)
     target = Target(url, options.api_key or "")
     target.model = await served_model(client, url, target.api_key)
     return target

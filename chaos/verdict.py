@@ -58,18 +58,26 @@ class DrillResult:
     details: dict[str, Any] = field(default_factory=dict)  # bulky evidence: in --json-out, not in the table
     seconds: float = 0.0
     error: str | None = None  # the drill itself broke (a bug in the drill or a deployment that never started)
+    not_run: str | None = None  # why it could not run here (e.g. it needs its own deployment): neither pass nor fail
     log_tail: str = ""  # the deployment's last log lines when something failed
 
     @property
     def passed(self) -> bool:
+        """No failed verdict (a drill that could not run here fails nothing)."""
+        if self.not_run is not None:
+            return self.error is None
         return self.error is None and bool(self.checks) and all(c.passed for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        return "SKIP" if self.not_run is not None and self.error is None else ("PASS" if self.passed else "FAIL")
 
     def add(self, *checks: Check) -> None:
         self.checks.extend(checks)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["passed"] = self.passed
+        out["passed"], out["verdict"] = self.passed, self.verdict
         out["checks"] = [{**asdict(c), "status": c.status} for c in self.checks]
         return out
 

@@ -91,3 +91,10 @@ def test_verdict_json() -> None:
     r.add(check("c", False))
     body = r.to_json()
     assert body["passed"] is False and json.loads(json.dumps(body)) == body
+
+
+def test_a_drill_that_cannot_run_here_is_skipped_not_failed() -> None:
+    r = DrillResult("gateway-kill", "quick", not_run="needs its own deployment")
+    assert r.passed and r.verdict == "SKIP" and r.to_json()["verdict"] == "SKIP"
+    r.error = "broke"
+    assert not r.passed and r.verdict == "FAIL"

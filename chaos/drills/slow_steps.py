@@ -33,6 +33,7 @@ class SlowSteps(Drill):
     summary = ("a worker whose steps outlast the heartbeat timeout (long prompts, small machine): 0 failures, only "
                "latency")
     needs_processes = True
+    spawn_only = True  # it makes the worker slow (step budget, step-delay hook): only at start-up
     STREAMS: ClassVar[int] = 8
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
