@@ -2,8 +2,10 @@
 
 The pool's receive loop must never block on a slow client, so it only appends to ``RequestHandle`` (sync,
 O(1)); the request's consumer (a route handler or an SSE producer task) takes everything pending at once.
-Outputs travel in a Trio memory channel, bounded by construction: a worker sends at most ``max_tokens`` tokens
-for a request.
+Outputs travel in a Trio memory channel whose *bytes* are bounded: a client that stops reading while its worker
+keeps generating would otherwise make the gateway hold its whole completion (50 stalled readers of 2,000 tokens
+with logprobs held 255 MiB). Past ``MAX_PENDING_BYTES`` the request is cut: its pending outputs are dropped, the
+pool aborts it on the worker (its KV is freed) and the consumer, if it ever reads again, gets ``client_too_slow``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,21 @@ import math
 import trio
 
 from ipc.messages import RequestOutputMsg
+
+# What one stream may hold that its client has not taken: about 4,300 plain token outputs or 375 with 20 logprobs
+# each, many seconds of generation on any machine, so a client that is merely slow on one read never hits it.
+MAX_PENDING_BYTES = 1 << 20
+# Rough in-memory sizes of an output's Python objects, rounded up from tracemalloc (CPython 3.11): an output with
+# one token ~190 bytes, one whose token carries 20 logprob alternatives ~2.7 KB.
+_OUTPUT_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES, _ALTERNATIVE_BYTES = 200, 40, 150, 120
+
+
+def output_bytes(out: RequestOutputMsg) -> int:
+    """Estimated memory ``out`` holds while pending (a bound's currency, not an exact figure)."""
+    size = _OUTPUT_BYTES + _TOKEN_BYTES * len(out.new_token_ids)
+    for _, alternatives in out.logprobs or ():
+        size += _LOGPROB_BYTES + _ALTERNATIVE_BYTES * len(alternatives)
+    return size
 
 
 class RequestFailed(Exception):
@@ -25,7 +42,8 @@ class RequestFailed(Exception):
 
 
 class RequestHandle:
-    def __init__(self, request_id: str, worker_id: str, prompt_len: int) -> None:
+    def __init__(self, request_id: str, worker_id: str, prompt_len: int,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.request_id = request_id
         self.worker_id = worker_id
         self.prompt_len = prompt_len
@@ -33,20 +51,30 @@ class RequestHandle:
         self.finished = False  # the worker sent a finish_reason (its KV blocks are already free)
         self.released = False  # the pool no longer routes outputs here
         self.last_token_at: float | None = None  # trio time the last token-bearing output arrived (for ITL)
+        self.overflowed = False  # its client fell more than max_pending_bytes behind: the pool cuts it
         self._failure: RequestFailed | None = None
-        # Unbounded on purpose, bounded by construction: the pool's receive loop must never wait on one slow
-        # client, and a worker sends at most one output per generated token (max_tokens) plus the finish.
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # estimated, of the outputs in the channel (pushed, not yet taken)
+        # No count bound on purpose (the pool's receive loop must never wait on one slow client): push bounds
+        # the bytes instead and cuts the request past them.
         self._tx, self._rx = trio.open_memory_channel[RequestOutputMsg](math.inf)
 
     # ---- producer side (the pool; sync, never blocks) ------------------------------------------
 
     def push(self, out: RequestOutputMsg) -> None:
+        """Queue ``out`` for the consumer. Past the byte bound the request fails as ``client_too_slow`` and
+        ``overflowed`` tells the pool to release it (abort it on its worker)."""
         if self.finished or self._failure is not None:
             return  # late frames after a finish or failure carry nothing we can still use
+        size = output_bytes(out)
+        if self._pending_bytes + size > self._max_pending_bytes and out.finish_reason is None:
+            self._overflow()
+            return
         try:
             self._tx.send_nowait(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return  # the consumer is gone
+        self._pending_bytes += size
         if out.finish_reason is not None:
             self.finished = True
             self._tx.close()  # the consumer drains what is left, then sees the end
@@ -57,9 +85,24 @@ class RequestHandle:
         self._failure = RequestFailed(code, message)
         self._tx.close()
 
+    def _overflow(self) -> None:
+        self.overflowed = True
+        self.fail("client_too_slow", f"the client read too slowly: more than {self._max_pending_bytes >> 10} KiB "
+                                     "of output waited for it, so the request was stopped")
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        while True:
+            try:
+                self._rx.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        self._pending_bytes = 0
+
     def close(self) -> None:
         """The consumer is done (called by the pool's release): drop what nobody will read."""
         self._rx.close()
+        self._pending_bytes = 0
 
     # ---- consumer side ------------------------------------------------------------------------
 
@@ -69,16 +112,21 @@ class RequestHandle:
         Raises RequestFailed once pending outputs are consumed and the request has failed."""
         try:
             outs = [await self._rx.receive()]
-        except trio.EndOfChannel:
+        except (trio.EndOfChannel, trio.ClosedResourceError):
             raise self._failure or RequestFailed("internal_error", "no output after the request finished") from None
         while True:
             try:
                 outs.append(self._rx.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
-                return outs
+                break
+        self._pending_bytes = max(0, self._pending_bytes - sum(output_bytes(o) for o in outs))
+        return outs
 
     def num_pending(self) -> int:
         return self._rx.statistics().current_buffer_used
+
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
     def has_pending(self) -> bool:
         return self.num_pending() > 0 or self._failure is not None

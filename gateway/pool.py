@@ -251,6 +251,9 @@ class WorkerPool:
                         self.observer.inter_token(w.worker_id, now - h.last_token_at)
                     h.last_token_at = now
                 h.push(out)
+                if h.overflowed:  # its client stopped reading: free its KV rather than hold its output
+                    log.info("request %s cut: its client fell too far behind", h.request_id)
+                    self.release(h)
             elif out.finish_reason is None and out.request_id not in w.aborting:
                 orphans.append(out.request_id)  # nobody waits for it: free its KV
         if orphans:

@@ -34,6 +34,8 @@ PING = ": ping\n\n"
 def failure_to_api_error(e: RequestFailed) -> APIError:
     if e.code in ("invalid_request", "context_length_exceeded"):
         return APIError(400, e.message, code=e.code)
+    if e.code == "client_too_slow":
+        return APIError(408, e.message, code=e.code)
     if e.code == "timeout":
         return APIError(504, e.message, code="timeout")
     if e.code in ("worker_died", "draining"):
