@@ -2,7 +2,8 @@
 
 It is an accelerator for the torch reference, never a replacement: where it cannot be built (no compiler,
 no ninja) or is switched off with ``KVGATE_CPU_KERNEL=0``, the reference path runs, and the tests compare
-the two. The build is cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+the two. The build is cached under ``TORCH_EXTENSIONS_DIR/kvgate`` (default ``~/.cache/torch_extensions``), one directory
+per content key, behind a lock that a killed build cannot leave stale (``build.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ def load() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load as _load
+        from kernels_cupy.cpu.build import load_extension
 
-        return _load(name="kvgate_cpu_paged_decode", sources=[str(_SRC)],
-                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     verbose=False)
+        return load_extension("kvgate_cpu_paged_decode", [_SRC],
+                              cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)
         return None

@@ -23,11 +23,11 @@ def load_qgemm() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load as _load
+        from kernels_cupy.cpu.build import load_extension
 
-        mod = _load(name="kvgate_cpu_qgemm", sources=[str(_DIR / "qgemm.cpp")],
-                    extra_include_paths=[str(_DIR)], extra_cflags=["-O3", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        mod = load_extension("kvgate_cpu_qgemm", [_DIR / "qgemm.cpp"],
+                             headers=sorted(_DIR.glob("qgemm*.h")), cflags=["-O3", "-fopenmp"],
+                             ldflags=["-fopenmp"])
         log.info("quantized GEMM kernel: %s path", mod.isa())
         return mod
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback path

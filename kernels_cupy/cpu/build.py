@@ -1,0 +1,108 @@
+"""Build-and-load for our C++ CPU extensions, safe against killed builds and concurrent workers.
+
+torch's ``cpp_extension.load`` guards a build with a bare lock *file* (``FileBaton``: ``O_CREAT|O_EXCL``, then
+a wait that polls until the file is gone, with no timeout). A build killed midway (a worker SIGKILLed by a
+chaos drill, an OOM kill) leaves that file behind and every later ``load`` waits on it forever. Its build
+directory is also keyed by the extension's name only, so callers whose compile arguments differ overwrite
+each other's build and rebuild in turn.
+
+So each extension gets:
+
+- one build directory per *content key* (sources and headers, flags, torch and Python versions, and the CPU
+  model where ``-march=native`` is used): different flags can never share, hence never alternate rebuilds;
+  the key also means a new version of a kernel never loads a stale binary;
+- an ``fcntl.flock`` around the whole load: the kernel releases it when its holder dies, so it cannot go
+  stale; it is taken with a deadline (``KVGATE_KERNEL_BUILD_TIMEOUT`` seconds, default 600) so a live but
+  stuck builder makes the caller fall back to the reference path instead of hanging;
+- under that lock, torch's own lock file (if any) is known to be stale (no one else can be building in the
+  directory) and is removed before ``load`` runs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_POLL_S = 0.1
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held the build lock past the deadline."""
+
+
+def extensions_root() -> Path:
+    """Where builds go: ``TORCH_EXTENSIONS_DIR`` like torch, else ``~/.cache/torch_extensions``; ours in kvgate/."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torch_extensions")
+    return Path(base) / "kvgate"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line  # first of the two; enough to tell machines apart for -march=native
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str]) -> str:
+    """A digest of everything the binary depends on."""
+    import torch
+
+    h = hashlib.sha256()
+    for p in [*sources, *headers]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(repr((cflags, ldflags, torch.__version__, sys.version_info[:2])).encode())
+    if any("march=native" in f for f in cflags):
+        h.update(_cpu_model().encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(name: str, key: str) -> Path:
+    return extensions_root() / f"{name}-{key}"
+
+
+def _acquire(lock_path: Path, timeout_s: float) -> int:
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise BuildLockTimeout(f"build lock {lock_path} still held after {timeout_s:.0f} s") from None
+            time.sleep(_POLL_S)
+
+
+def load_extension(name: str, sources: list[Path], *, headers: list[Path] | None = None,
+                   cflags: list[str], ldflags: list[str]) -> Any:
+    """Build (once per content key) and import the extension; raises on failure or lock timeout."""
+    from torch.utils.cpp_extension import load as _load
+
+    headers = headers or []
+    key = build_key(sources, headers, cflags, ldflags)
+    out = build_dir(name, key)
+    out.mkdir(parents=True, exist_ok=True)
+    timeout_s = float(os.environ.get("KVGATE_KERNEL_BUILD_TIMEOUT", "600"))
+    fd = _acquire(out.parent / f"{name}-{key}.flock", timeout_s)
+    try:
+        stale = out / "lock"  # torch's FileBaton file: nobody else can be inside this directory now
+        if stale.exists():
+            stale.unlink()
+        include = sorted({str(p.parent) for p in headers})
+        return _load(name=name, sources=[str(s) for s in sources], extra_include_paths=include,
+                     extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(out), verbose=False)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

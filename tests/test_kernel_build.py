@@ -1,0 +1,77 @@
+"""The CPU extensions' build (kernels_cupy/cpu/build.py): a killed build's lock cannot hang a later load,
+a live builder holding the lock makes a load give up at its deadline, and compile flags key the build dir."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels_cupy.cpu.build import build_dir, build_key
+
+_SRC = """
+#include <torch/extension.h>
+int64_t answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+_FLAGS = ["-O0"]
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_in_subprocess(tmp: Path, src: Path, timeout_s: float, env_extra: dict[str, str]) -> str:
+    code = ("import sys; from pathlib import Path; from kernels_cupy.cpu.build import load_extension\n"
+            "try:\n"
+            f"    m = load_extension('kvgate_test_ext', [Path({str(src)!r})], cflags={_FLAGS!r}, ldflags=[])\n"
+            "    print('ANSWER', m.answer())\n"
+            "except Exception as e:\n"
+            "    print('FAILED', type(e).__name__)\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp / "ext"), **env_extra}
+    out = subprocess.run([sys.executable, "-c", code], cwd=_REPO, env=env, capture_output=True, text=True,
+                         timeout=timeout_s)
+    return out.stdout
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    p = tmp_path / "answer.cpp"
+    p.write_text(_SRC)
+    return p
+
+
+def _dir(tmp: Path, src: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp / "ext"))
+    d = build_dir("kvgate_test_ext", build_key([src], [], _FLAGS, []))
+    d.mkdir(parents=True)
+    return d
+
+
+def test_stale_lock_from_a_killed_build_does_not_hang(tmp_path: Path, src: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a build SIGKILLed inside torch's cpp_extension leaves: its FileBaton lock file, no owner.
+    (_dir(tmp_path, src, monkeypatch) / "lock").write_text("")
+    # Before the fix this waited forever; a compile of this file takes well under the 300 s allowed.
+    assert "ANSWER 42" in _load_in_subprocess(tmp_path, src, 300, {})
+
+
+def test_a_held_build_lock_times_out_instead_of_hanging(tmp_path: Path, src: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _dir(tmp_path, src, monkeypatch)
+    fd = os.open(d.parent / f"{d.name}.flock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live builder (this test) holds the lock
+    try:
+        out = _load_in_subprocess(tmp_path, src, 60, {"KVGATE_KERNEL_BUILD_TIMEOUT": "1"})
+    finally:
+        os.close(fd)
+    assert "FAILED BuildLockTimeout" in out
+
+
+def test_flags_and_sources_key_the_build_dir(src: Path) -> None:
+    k = build_key([src], [], _FLAGS, [])
+    assert build_key([src], [], _FLAGS, []) == k  # stable: same inputs, same dir, no rebuild
+    assert build_key([src], [], ["-O3"], []) != k  # other flags build elsewhere instead of overwriting
+    src.write_text(_SRC + "\n// changed\n")
+    assert build_key([src], [], _FLAGS, []) != k
