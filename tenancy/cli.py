@@ -287,6 +287,12 @@ def top(ctx: typer.Context,
         _fail(str(e))
 
 
+# --- plan (tenancy/plan_cli.py) --------------------------------------------------------------------------
+from tenancy.plan_cli import plan_command  # noqa: E402  (registered here so `kvgatectl plan` exists)
+
+app.command("plan")(plan_command)
+
+
 def main() -> None:
     app()
 
