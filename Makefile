@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup redis-server chromium serve generate test test-fast bench clean
+.PHONY: setup redis-server postgresql chromium serve generate test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,15 @@ redis-server:
 	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } \
 	  || echo "redis-server could not be installed: the Redis tests will skip"; }
 
+# The PostgreSQL store tests start a private cluster (initdb in a temporary directory, 127.0.0.1, a free port;
+# never the system service). Install Debian's server binaries when missing; without root or sudo they skip, except
+# in CI, where .ci/run makes a missing PostgreSQL fail them.
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq postgresql >/dev/null; } \
+	  || echo "postgresql could not be installed: the PostgreSQL tests will skip"; }
+
 # The browser tests drive Debian's Chromium with Playwright (never a browser Playwright downloads). Install it
 # when missing; without root or sudo they skip, except in CI, where .ci/run makes a missing browser fail them.
 chromium:
@@ -42,7 +51,7 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
-test: setup redis-server chromium
+test: setup redis-server postgresql chromium
 	$(PY) -m mypy --follow-imports=silent workers/core ipc gateway tenancy chaos
 	$(PY) -m pytest -q -p no:cacheprovider
 

@@ -1,7 +1,7 @@
 """kvgatectl: manage kvgate tenants, API keys, quotas and usage.
 
-Local mode (``--db PATH``, env KVGATE_DB) opens the store on this host, with the deployment's server secret
-(KVGATE_SECRET or ``<db>.secret``); remote mode (``--url URL --admin-token T``, env KVGATE_URL and
+Local mode (``--db PATH`` or ``--db postgresql://...``, env KVGATE_DB) opens the store directly, with the
+deployment's server secret (KVGATE_SECRET, or ``<db>.secret`` beside an SQLite file); remote mode (``--url URL --admin-token T``, env KVGATE_URL and
 KVGATE_ADMIN_TOKEN) calls a running gateway's ``/admin`` API. Both are an ``AdminBackend``, so each command is
 written once and ``--json`` prints the same shapes either way. Exit codes: 0 done, 1 the operation failed
 (unknown tenant or key, an error from the gateway, no gateway at the URL), 2 bad usage.
@@ -14,7 +14,6 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
@@ -23,6 +22,7 @@ from rich.console import Console
 from tenancy import cli_render as render
 from tenancy.admin_ops import AdminBackend, AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
+from tenancy.db_backend import redact
 from tenancy.store import open_store
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the admin API's shapes).")]
@@ -42,7 +42,7 @@ app.add_typer(quota_app, name="quota")
 
 @dataclass(frozen=True)
 class Settings:
-    db: Path
+    db: str  # an SQLite path or a PostgreSQL URL (a Path would fold the URL's //)
     url: str | None
     admin_token: str | None
     json: bool
@@ -51,7 +51,8 @@ class Settings:
 @app.callback()
 def global_options(
     ctx: typer.Context,
-    db: Annotated[Path, typer.Option(envvar="KVGATE_DB", help="Tenancy store (local mode).")] = Path("kvgate.db"),
+    db: Annotated[str, typer.Option(envvar="KVGATE_DB", help="Tenancy store (local mode): an SQLite file or a "
+                                    "postgresql:// URL.")] = "kvgate.db",
     url: Annotated[str | None, typer.Option(envvar="KVGATE_URL", help="Gateway URL (remote mode).")] = None,
     admin_token: Annotated[str | None, typer.Option(envvar="KVGATE_ADMIN_TOKEN", show_envvar=True,
                                                     help="The gateway's admin token (remote mode).")] = None,
@@ -78,7 +79,7 @@ def _backend(settings: Settings) -> Iterator[AdminBackend]:
     try:
         store, _ = open_store(settings.db)
     except (sqlite3.Error, OSError, ValueError, RuntimeError) as e:
-        _fail(f"cannot open the store {settings.db}: {e}")
+        _fail(f"cannot open the store {redact(settings.db)}: {e}")
     try:
         yield LocalAdmin(store)
     finally:
@@ -88,7 +89,7 @@ def _backend(settings: Settings) -> Iterator[AdminBackend]:
 def _run(ctx: typer.Context, json_flag: bool, op: Callable[[AdminBackend], Json],
          show: Callable[[Console, Json], None]) -> Json:
     """Runs one operation on the chosen backend and prints its result (JSON or `show`); exits 1 on failure."""
-    settings: Settings = ctx.find_object(Settings) or Settings(Path("kvgate.db"), None, None, False)
+    settings: Settings = ctx.find_object(Settings) or Settings("kvgate.db", None, None, False)
     try:
         with _backend(settings) as backend:
             result = op(backend)

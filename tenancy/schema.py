@@ -1,11 +1,14 @@
-"""Versioned schema migrations for the tenancy store (SQLite).
+"""Versioned schema migrations for the tenancy store: one list for SQLite and PostgreSQL.
 
 Each migration is a tuple of single statements, not a script: `executescript` would COMMIT behind our back and
-break the one-transaction-per-upgrade guarantee.
+break the one-transaction-per-upgrade guarantee. The statements are written in SQLite's spelling; `for_postgres`
+names the one difference that matters there (REAL is single precision in PostgreSQL: a Unix time in it would be
+off by minutes, so every REAL column becomes DOUBLE PRECISION). The PostgreSQL runner is in tenancy/db_postgres.py.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 
@@ -64,10 +67,23 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
+VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)"
+
+
+def for_postgres(statement: str) -> str:
+    return re.sub(r"\bREAL\b", "DOUBLE PRECISION", statement)
+
+
+def pending(have: int) -> list[tuple[int, tuple[str, ...]]]:
+    """The migrations a database at version `have` still needs; refuses a database newer than this code."""
+    if have > LATEST_VERSION:
+        raise RuntimeError(f"database schema version {have} is newer than this kvgate supports "
+                           f"({LATEST_VERSION}); upgrade kvgate")
+    return [(version, statements) for version, statements in MIGRATIONS if version > have]
 
 
 def current_version(conn: sqlite3.Connection) -> int:
-    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    conn.execute(VERSION_TABLE)
     row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
     return int(row[0]) if row is not None and row[0] is not None else 0
 
@@ -80,14 +96,8 @@ def migrate(conn: sqlite3.Connection) -> list[int]:
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
-        have = current_version(conn)
-        if have > LATEST_VERSION:
-            raise RuntimeError(f"database schema version {have} is newer than this kvgate supports "
-                               f"({LATEST_VERSION}); upgrade kvgate")
         applied: list[int] = []
-        for version, statements in MIGRATIONS:
-            if version <= have:
-                continue
+        for version, statements in pending(current_version(conn)):
             for statement in statements:
                 conn.execute(statement)
             conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, time.time()))

@@ -1,56 +1,56 @@
-"""SQLite (WAL) tenancy store: tenants, API keys, quotas and the usage ledger.
+"""The tenancy store: tenants, API keys, quotas and the usage ledger, over SQLite or PostgreSQL.
 
-One connection guarded by a lock: the gateway calls in from worker threads (trio.to_thread), and SQLite allows a
-single writer anyway. The connection is in autocommit mode; every write is an explicit BEGIN IMMEDIATE ... COMMIT,
-so a write either lands whole or not at all.
+The store's logic and SQL live here once; a backend (tenancy/db_sqlite.py, the embedded default, or
+tenancy/db_postgres.py, selected by a `postgresql://` URL) runs the transactions and supplies the few spellings
+that differ (tenancy/db_backend.py). Every write is one transaction: it lands whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
-import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from tenancy import schema
+from tenancy.db_backend import Backend, Row, is_url, redact
 from tenancy.keys import KEY_PREFIX, display_prefix, generate_key, hash_key, keys_match
 from tenancy.models import (KEY_ID_PREFIX, TENANT_ID_PREFIX, ApiKeyInfo, AuthResult, Quota, Tenant, UsageGroup,
                             UsageGrouping, UsageRow, validate_tenant_name)
-from tenancy.server_secret import ServerSecret, load_secret
+from tenancy.server_secret import ENV_VAR, ServerSecret, load_secret
 
 _TENANT_COLUMNS = "id, name, status, weight, created_at, log_text"
 _KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
 _QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
                   "max_prompt_tokens", "allowed_models")
-_GROUP_EXPR: dict[str, str] = {
-    "day": "strftime('%Y-%m-%d', started_at, 'unixepoch')",
-    "model": "model",
-    "key": "COALESCE(key_id, '')",
-}
+_GROUPINGS = ("day", "model", "key")
+
+
+def open_backend(db: str | Path) -> Backend:
+    """PostgreSQL for a `postgresql://` URL, else an SQLite file at that path."""
+    if is_url(db):
+        from tenancy.db_postgres import PostgresBackend  # psycopg only when a URL asks for it
+
+        return PostgresBackend(str(db))
+    from tenancy.db_sqlite import SqliteBackend
+
+    return SqliteBackend(db)
 
 
 class TenancyStore:
-    def __init__(self, path: str | Path, pepper: bytes, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, db: str | Path, pepper: bytes, *, clock: Callable[[], float] = time.time) -> None:
         if not pepper:
             raise ValueError("pepper must be a non-empty server secret")
         self._pepper = pepper
         self._clock = clock
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10.0)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        # FULL: a committed usage batch survives power loss too, not only a process kill.
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        self.applied_migrations = schema.migrate(self._conn)
+        self._db = open_backend(db)
+        self._is = self._db.dialect.is_same
+        self.applied_migrations = self._db.applied_migrations
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self._db.close()
 
     def __enter__(self) -> TenancyStore:
         return self
@@ -60,23 +60,14 @@ class TenancyStore:
 
     @property
     def schema_version(self) -> int:
-        with self._lock:
-            return schema.current_version(self._conn)
+        return self._db.schema_version()
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+    @property
+    def dialect(self) -> str:
+        return self._db.dialect.name
 
-    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            return cast(list[tuple[Any, ...]], self._conn.execute(sql, params).fetchall())
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return self._db.read(sql, params)
 
     # --- tenants -------------------------------------------------------------------------------------------
 
@@ -86,10 +77,10 @@ class TenancyStore:
             raise ValueError(f"tenant weight must be > 0, got {weight}")
         tenant = Tenant(TENANT_ID_PREFIX + secrets.token_hex(8), name, "active", float(weight), self._clock())
         try:
-            with self._write() as conn:
-                conn.execute("INSERT INTO tenants (id, name, status, weight, created_at) VALUES (?, ?, ?, ?, ?)",
+            with self._db.write() as tx:
+                tx.execute("INSERT INTO tenants (id, name, status, weight, created_at) VALUES (?, ?, ?, ?, ?)",
                              (tenant.id, tenant.name, tenant.status, tenant.weight, tenant.created_at))
-        except sqlite3.IntegrityError as exc:
+        except self._db.integrity_errors as exc:
             raise ValueError(f"tenant {name!r} already exists") from exc
         return tenant
 
@@ -110,8 +101,8 @@ class TenancyStore:
 
     def _set_status(self, ref: str, status: str) -> Tenant:
         tenant_id = self.get_tenant(ref).id
-        with self._write() as conn:
-            conn.execute("UPDATE tenants SET status = ? WHERE id = ?", (status, tenant_id))
+        with self._db.write() as tx:
+            tx.execute("UPDATE tenants SET status = ? WHERE id = ?", (status, tenant_id))
         return self.get_tenant(tenant_id)
 
     def suspend_tenant(self, ref: str) -> Tenant:
@@ -124,8 +115,8 @@ class TenancyStore:
         if not weight > 0:
             raise ValueError(f"tenant weight must be > 0, got {weight}")
         tenant_id = self.get_tenant(ref).id
-        with self._write() as conn:
-            conn.execute("UPDATE tenants SET weight = ? WHERE id = ?", (float(weight), tenant_id))
+        with self._db.write() as tx:
+            tx.execute("UPDATE tenants SET weight = ? WHERE id = ?", (float(weight), tenant_id))
         return self.get_tenant(tenant_id)
 
     def set_log_text(self, ref: str, on: bool) -> Tenant:
@@ -133,15 +124,15 @@ class TenancyStore:
         if not isinstance(on, bool):  # a truthy string such as "off" must not switch text logging on
             raise ValueError(f"log_text must be a bool, got {on!r}")
         tenant_id = self.get_tenant(ref).id
-        with self._write() as conn:
-            conn.execute("UPDATE tenants SET log_text = ? WHERE id = ?", (int(on), tenant_id))
+        with self._db.write() as tx:
+            tx.execute("UPDATE tenants SET log_text = ? WHERE id = ?", (int(on), tenant_id))
         return self.get_tenant(tenant_id)
 
     def delete_tenant(self, ref: str) -> None:
         """Removes the tenant, its keys and quotas (cascade); its usage rows stay in the ledger."""
         tenant_id = self.get_tenant(ref).id
-        with self._write() as conn:
-            conn.execute("DELETE FROM tenants WHERE id = ?", (tenant_id,))
+        with self._db.write() as tx:
+            tx.execute("DELETE FROM tenants WHERE id = ?", (tenant_id,))
 
     # --- keys ----------------------------------------------------------------------------------------------
 
@@ -152,19 +143,18 @@ class TenancyStore:
             raise ValueError("expires_at is in the past")
         plaintext = generate_key()
         key_id = KEY_ID_PREFIX + secrets.token_hex(8)
-        with self._write() as conn:
-            conn.execute("INSERT INTO api_keys (id, tenant_id, label, key_hash, key_prefix, created_at, expires_at) "
+        with self._db.write() as tx:
+            tx.execute("INSERT INTO api_keys (id, tenant_id, label, key_hash, key_prefix, created_at, expires_at) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?)", (key_id, tenant_id, label, hash_key(plaintext, self._pepper),
                                                           display_prefix(plaintext), self._clock(), expires_at))
         return key_id, plaintext
 
     def revoke_key(self, key_id: str) -> bool:
         """True if the key was active and is now revoked; revoking twice keeps the first timestamp."""
-        with self._write() as conn:
-            cur = conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                               (self._clock(), key_id))
-            changed = cur.rowcount == 1
-            if not changed and conn.execute("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)).fetchone() is None:
+        with self._db.write() as tx:
+            changed = tx.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                 (self._clock(), key_id)) == 1
+            if not changed and not tx.query("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)):
                 raise KeyError(f"unknown key {key_id!r}")
         return changed
 
@@ -207,13 +197,17 @@ class TenancyStore:
         tenant_id = self.get_tenant(tenant).id
         values = [getattr(quota, c) for c in _QUOTA_COLUMNS]
         values[-1] = None if quota.allowed_models is None else json.dumps(list(quota.allowed_models))
-        with self._write() as conn:
-            if key_id is not None and conn.execute("SELECT 1 FROM api_keys WHERE id = ? AND tenant_id = ?",
-                                                   (key_id, tenant_id)).fetchone() is None:
+        with self._db.write() as tx:
+            # The tenant's row lock (PostgreSQL) orders concurrent replacements from several gateways: without
+            # it two could both delete, then one insert would hit the unique scope index.
+            if not tx.query(f"SELECT 1 FROM tenants WHERE id = ?{self._db.dialect.for_update}", (tenant_id,)):
+                raise KeyError(f"unknown tenant {tenant!r}")
+            if key_id is not None and not tx.query("SELECT 1 FROM api_keys WHERE id = ? AND tenant_id = ?",
+                                                   (key_id, tenant_id)):
                 raise KeyError(f"key {key_id!r} does not belong to tenant {tenant!r}")
-            conn.execute("DELETE FROM quotas WHERE tenant_id = ? AND key_id IS ?", (tenant_id, key_id))
-            conn.execute(f"INSERT INTO quotas (tenant_id, key_id, {', '.join(_QUOTA_COLUMNS)}) "
-                         f"VALUES (?, ?{', ?' * len(_QUOTA_COLUMNS)})", (tenant_id, key_id, *values))
+            tx.execute(f"DELETE FROM quotas WHERE tenant_id = ? AND key_id {self._is} ?", (tenant_id, key_id))
+            tx.execute(f"INSERT INTO quotas (tenant_id, key_id, {', '.join(_QUOTA_COLUMNS)}) "
+                       f"VALUES (?, ?{', ?' * len(_QUOTA_COLUMNS)})", (tenant_id, key_id, *values))
 
     def get_quota(self, tenant: str, key_id: str | None = None) -> Quota:
         """The effective quota: the key-level row's non-NULL fields override the tenant-level row's."""
@@ -234,7 +228,7 @@ class TenancyStore:
         return self._quota_row(tenant_id, None), key_row
 
     def _quota_row(self, tenant_id: str, key_id: str | None) -> Quota:
-        rows = self._read(f"SELECT {', '.join(_QUOTA_COLUMNS)} FROM quotas WHERE tenant_id = ? AND key_id IS ?",
+        rows = self._read(f"SELECT {', '.join(_QUOTA_COLUMNS)} FROM quotas WHERE tenant_id = ? AND key_id {self._is} ?",
                           (tenant_id, key_id))
         if not rows:
             return Quota()
@@ -249,16 +243,10 @@ class TenancyStore:
         neither loses nor doubles a row). Returns how many rows were new."""
         if not rows:
             return 0
-        with self._write() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR IGNORE INTO usage (request_id, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-                "completion_tokens, status, started_at, finished_at, ttft_ms, latency_ms) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens,
-                  r.completion_tokens, r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms)
-                 for r in rows])
-            return conn.total_changes - before
+        params = [(r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens,
+                   r.completion_tokens, r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms) for r in rows]
+        with self._db.write() as tx:
+            return tx.execute_many(self._db.dialect.usage_insert(), params)
 
     def usage_rows(self, tenant: str, since: float | None = None) -> list[UsageRow]:
         tenant_id = self.get_tenant(tenant).id
@@ -271,9 +259,10 @@ class TenancyStore:
     def usage_summary(self, tenant: str | None = None, since: float | None = None,
                       by: UsageGrouping | None = None) -> list[UsageGroup]:
         """Totals for one tenant (or all), optionally since a time, optionally grouped by day (UTC), model or key."""
-        if by is not None and by not in _GROUP_EXPR:
-            raise ValueError(f"usage grouping must be one of {sorted(_GROUP_EXPR)}, got {by!r}")
-        group = _GROUP_EXPR[by] if by is not None else "''"
+        if by is not None and by not in _GROUPINGS:
+            raise ValueError(f"usage grouping must be one of {sorted(_GROUPINGS)}, got {by!r}")
+        group = {"day": self._db.dialect.day_of.format("started_at"), "model": "model",
+                 "key": "COALESCE(key_id, '')", None: "''"}[by]
         where = ["started_at >= ?"]
         params: list[float | str] = [since if since is not None else float("-inf")]
         if tenant is not None:
@@ -301,7 +290,11 @@ class TenancyStore:
 
 
 def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -> tuple[TenancyStore, ServerSecret]:
-    """The store at `db_path` (created and migrated when new) with the deployment's server secret."""
+    """The store at `db_path` (an SQLite path or a PostgreSQL URL; created and migrated when new) with the
+    deployment's server secret. PostgreSQL has no file to put `<db>.secret` beside, and the secret must not live
+    in the database it protects: several gateways on one database share KVGATE_SECRET."""
+    if is_url(db_path) and not os.environ.get(ENV_VAR):
+        raise ValueError(f"a PostgreSQL store ({redact(db_path)}) needs the server secret in {ENV_VAR}")
     secret = load_secret(db_path)
     return TenancyStore(db_path, secret.key_pepper, clock=clock), secret
 

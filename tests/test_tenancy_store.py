@@ -1,4 +1,9 @@
-"""tenancy.store: migrations, key lifecycle, quotas, and the usage ledger's durability (SQLite, no network)."""
+"""tenancy.store: migrations, key lifecycle, quotas, and the usage ledger's durability.
+
+Tests taking `store` or `db` run against both backends: SQLite (a file in tmp_path) and PostgreSQL (a fresh
+database on the session's private cluster, tests/postgres_support.py). The rest are SQLite's own (its file, WAL,
+a writer killed mid-session, a reader beside a locked writer); PostgreSQL's own are in test_tenancy_postgres.py.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +23,7 @@ from tenancy import schema
 from tenancy.keys import mask_key
 from tenancy.models import Quota, UsageRow
 from tenancy.store import TenancyStore
+from tests.postgres_support import postgres_cluster, postgres_url  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 PEPPER = b"test-pepper"
@@ -35,11 +42,33 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a store lives: an SQLite file, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "kvgate.db")
+    return str(request.getfixturevalue("postgres_url"))
+
+
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[TenancyStore]:
-    s = TenancyStore(tmp_path / "kvgate.db", PEPPER, clock=clock)
+def store(db: str, clock: FakeClock) -> Iterator[TenancyStore]:
+    s = TenancyStore(db, PEPPER, clock=clock)
     yield s
     s.close()
+
+
+def _raw_execute(db: str, sql: str) -> None:
+    """One statement on the store's database behind the store's back (no placeholders)."""
+    if db.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute(sql.encode())
+        return
+    conn = sqlite3.connect(db)
+    conn.execute(sql)
+    conn.commit()
+    conn.close()
 
 
 def _row(rid: str, tenant_id: str, **kw: object) -> UsageRow:
@@ -65,15 +94,14 @@ def test_fresh_db_is_migrated_in_wal_mode_and_version_recorded(tmp_path: Path) -
         (v,) for v, _ in schema.MIGRATIONS]
 
 
-def test_reopening_up_to_date_db_is_a_noop_and_keeps_data(tmp_path: Path) -> None:
-    path = tmp_path / "a.db"
-    with TenancyStore(path, PEPPER) as s:
+def test_reopening_up_to_date_db_is_a_noop_and_keeps_data(db: str) -> None:
+    with TenancyStore(db, PEPPER) as s:
+        assert s.applied_migrations == [v for v, _ in schema.MIGRATIONS]
         s.create_tenant("acme")
-    with TenancyStore(path, PEPPER) as s:
+    with TenancyStore(db, PEPPER) as s:
         assert s.applied_migrations == []
+        assert s.schema_version == schema.LATEST_VERSION
         assert [t.name for t in s.list_tenants()] == ["acme"]
-    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(
-        schema.MIGRATIONS)
 
 
 def test_version_1_db_upgrades_in_place_and_keeps_data(tmp_path: Path) -> None:
@@ -120,15 +148,11 @@ def test_version_2_db_gains_log_text_off_for_existing_tenants(tmp_path: Path) ->
     raw.close()
 
 
-def test_db_newer_than_code_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "a.db"
-    TenancyStore(path, PEPPER).close()
-    conn = sqlite3.connect(path)
-    conn.execute("INSERT INTO schema_version VALUES (?, 0)", (schema.LATEST_VERSION + 1,))
-    conn.commit()
-    conn.close()
+def test_db_newer_than_code_is_refused(db: str) -> None:
+    TenancyStore(db, PEPPER).close()
+    _raw_execute(db, f"INSERT INTO schema_version VALUES ({schema.LATEST_VERSION + 1}, 0)")
     with pytest.raises(RuntimeError, match="newer"):
-        TenancyStore(path, PEPPER)
+        TenancyStore(db, PEPPER)
 
 
 # --- tenants and keys ----------------------------------------------------------------------------------------
@@ -191,12 +215,11 @@ def test_plaintext_key_never_reaches_the_db_file(tmp_path: Path) -> None:
     assert key[10:].encode() not in blob  # not even the part after the display prefix
 
 
-def test_pepper_matters(tmp_path: Path) -> None:
-    path = tmp_path / "p.db"
-    with TenancyStore(path, PEPPER) as s:
+def test_pepper_matters(db: str) -> None:
+    with TenancyStore(db, PEPPER) as s:
         s.create_tenant("acme")
         _, key = s.create_key("acme", "x")
-    with TenancyStore(path, b"another-pepper") as s:
+    with TenancyStore(db, b"another-pepper") as s:
         assert s.authenticate(key) is None
 
 
@@ -270,15 +293,14 @@ def test_quota_validation() -> None:
 
 # --- usage ledger --------------------------------------------------------------------------------------------
 
-def test_usage_group_commit_is_idempotent_and_survives_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "u.db"
-    with TenancyStore(path, PEPPER) as s:
+def test_usage_group_commit_is_idempotent_and_survives_reopen(db: str) -> None:
+    with TenancyStore(db, PEPPER) as s:
         t = s.create_tenant("acme")
         batch = [_row(f"r{i}", t.id) for i in range(50)]
         assert s.record_usage(batch) == 50
         assert s.record_usage(batch[40:] + [_row("r50", t.id)]) == 1  # a retried batch: no doubles
         assert s.record_usage([]) == 0
-    with TenancyStore(path, PEPPER) as s:
+    with TenancyStore(db, PEPPER) as s:
         rows = s.usage_rows("acme")
         assert len(rows) == 51 and len({r.request_id for r in rows}) == 51
         [total] = s.usage_summary("acme")
@@ -377,3 +399,48 @@ def test_quota_rows_are_unmerged(store: TenancyStore) -> None:
     store.set_quota("a", Quota(tpm=50), key_id=k)
     assert store.quota_rows("a", k) == (Quota(rpm=10, tpm=1000), Quota(tpm=50))
     assert store.quota_rows("a") == (Quota(rpm=10, tpm=1000), None)
+
+
+def test_usage_times_keep_sub_second_precision(store: TenancyStore) -> None:
+    """A Unix time needs double precision (PostgreSQL's REAL would round it to minutes)."""
+    t = store.create_tenant("acme")
+    store.record_usage([_row("r1", t.id, started_at=1_700_000_000.125, finished_at=1_700_000_000.5)])
+    [row] = store.usage_rows("acme")
+    assert (row.started_at, row.finished_at) == (1_700_000_000.125, 1_700_000_000.5)
+
+
+def test_key_lookup_answers_while_another_process_holds_the_write_lock(tmp_path: Path) -> None:
+    """The chaos drills' finding: a writer stuck in the busy timeout must not stall authentication. Another
+    connection holds BEGIN EXCLUSIVE; the ledger writer waits for it, and a key lookup still answers."""
+    path = tmp_path / "locked.db"
+    with TenancyStore(path, PEPPER) as s:
+        t = s.create_tenant("acme")
+        _, key = s.create_key("acme", "x")
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        writer_started, writer_done = threading.Event(), threading.Event()
+
+        def write() -> None:
+            writer_started.set()
+            try:
+                s.record_usage([_row("r1", t.id)])  # waits in the busy timeout while the holder has the lock
+            finally:
+                writer_done.set()
+
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        try:
+            writer_started.wait()
+            # The writer holds the store's write lock for as long as it sits in SQLite's busy timeout.
+            while not s._db._lock.locked():  # type: ignore[attr-defined]
+                threading.Event().wait(0.005)
+            auth = s.authenticate(key)
+            tenants = [x.name for x in s.list_tenants()]
+            still_locked = not writer_done.is_set()  # the lookups returned while the writer still waited
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+            thread.join()
+        assert auth is not None and auth.tenant_id == t.id and tenants == ["acme"]
+        assert still_locked
+        assert [r.request_id for r in s.usage_rows("acme")] == ["r1"]  # the writer landed once the lock went
