@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${1:-8011}
 PY=.venv/bin/python
-# Workers spawned by the gateway default to passive OpenMP waits (gateway/supervisor.py); give the in-process
+# Workers spawned by the gateway default to passive OpenMP waits (gateway/fleet/supervisor.py); give the in-process
 # engine run the same so the overhead comparison is like for like.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 URL=http://127.0.0.1:$PORT

@@ -18,17 +18,17 @@ import trio
 import zmq
 from hypercorn.config import Config as HyperConfig
 
-from gateway.admission import QuotaGate
-from gateway.app import create_app
-from gateway.auth import Authenticator
+from gateway.pipeline.admission import QuotaGate
+from gateway.api.app import create_app
+from gateway.api.auth import Authenticator
 from gateway.config import GatewayConfig, TenancyConfig
-from gateway.gateway_metrics import GatewayMetrics
-from gateway.ledger import UsageLedger
-from gateway.pool import WorkerPool
+from gateway.telemetry.gateway_metrics import GatewayMetrics
+from gateway.pipeline.ledger import UsageLedger
+from gateway.fleet.pool import WorkerPool
 from gateway.state import GatewayState, Tenancy
-from gateway.supervisor import Supervisor
-from gateway.tokenizer import GatewayTokenizer, resolve_model_dir
-from gateway.tracing import Tracing
+from gateway.fleet.supervisor import Supervisor
+from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
+from gateway.telemetry.tracing import Tracing
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.admission import QuotaGate
-from gateway.auth import Authenticator
+from gateway.pipeline.admission import QuotaGate
+from gateway.api.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.gateway_metrics import GatewayMetrics
-from gateway.ledger import UsageLedger
-from gateway.pool import WorkerPool
-from gateway.tokenizer import GatewayTokenizer
-from gateway.tracing import Tracing
+from gateway.telemetry.gateway_metrics import GatewayMetrics
+from gateway.pipeline.ledger import UsageLedger
+from gateway.fleet.pool import WorkerPool
+from gateway.pipeline.tokenizer import GatewayTokenizer
+from gateway.telemetry.tracing import Tracing
 from tenancy.store import TenancyStore
 
 

@@ -1,4 +1,4 @@
-"""gateway.admin: the /admin JSON API over a real tenancy store, through Quart's test client (no network).
+"""gateway.api.admin: the /admin JSON API over a real tenancy store, through Quart's test client (no network).
 
 Auth (401 / 403 disabled / tenant keys refused), tenant/key/quota CRUD, validation answered as OpenAI-shaped
 4xx (never a 500), on_change after every successful mutation and only then, and usage filters.
@@ -16,8 +16,8 @@ from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from gateway.admin import create_admin_blueprint
-from gateway.errors import APIError, error_body
+from gateway.api.admin import create_admin_blueprint
+from gateway.api.errors import APIError, error_body
 from tenancy.models import UsageRow
 from tenancy.store import TenancyStore
 

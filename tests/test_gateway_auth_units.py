@@ -1,4 +1,4 @@
-"""gateway.auth without a server: how a key's own quota combines with its tenant's, and the per-address
+"""gateway.api.auth without a server: how a key's own quota combines with its tenant's, and the per-address
 bucket for failed authentications (fake clock)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import AddressLimiter, Authenticator, build_principal
+from gateway.api.auth import AddressLimiter, Authenticator, build_principal
 from tenancy.limiter import Limiter
 from tenancy.models import AuthResult, Quota
 from tenancy.server_secret import ServerSecret

@@ -9,9 +9,9 @@ import pytest
 import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
-from gateway.handle import MAX_PENDING_BYTES, RequestFailed, RequestHandle, output_bytes
-from gateway.pool import WorkerPool
-from gateway.streaming import failure_to_api_error
+from gateway.pipeline.handle import MAX_PENDING_BYTES, RequestFailed, RequestHandle, output_bytes
+from gateway.fleet.pool import WorkerPool
+from gateway.pipeline.streaming import failure_to_api_error
 from ipc.messages import PROTOCOL_VERSION, Hello, RequestOutputMsg, StepOutputs
 
 LOGPROBS = 20

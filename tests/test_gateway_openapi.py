@@ -1,5 +1,5 @@
 """/openapi.json matches the app's routes both ways: every route served is documented (except the browser pages and
-their static files, listed in gateway.openapi.BROWSER_ROUTES), and every documented operation is served.
+their static files, listed in gateway.api.openapi.BROWSER_ROUTES), and every documented operation is served.
 
 The app is built with stand-ins for the pool, tokenizer and tenancy (no worker, no model): ``create_app`` only
 registers routes with them. The document itself is also checked for the shape the chaos drill's fuzzer relies on.
@@ -12,13 +12,13 @@ from pathlib import Path
 from unittest.mock import MagicMock
 
 from gateway.config import GatewayConfig, TenancyConfig
-from gateway.openapi import BROWSER_ROUTES, document
+from gateway.api.openapi import BROWSER_ROUTES, document
 
 IGNORED_METHODS = {"HEAD", "OPTIONS"}
 
 
 def _served(tmp_path: Path) -> set[tuple[str, str]]:
-    from gateway.app import create_app
+    from gateway.api.app import create_app
 
     state = MagicMock()
     state.config = GatewayConfig(tenancy=TenancyConfig(db_path=str(tmp_path / "kvgate.db"),

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_smollm2_chat_through_gateway(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gateway.tokenizer import resolve_model_dir
+    from gateway.pipeline.tokenizer import resolve_model_dir
 
     srv = start_server(resolve_model_dir("smollm2"), tmp_path / "gateway.log", served_name="smollm2")
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from gateway.generation import Delta, OutputAssembler
-from gateway.handle import RequestHandle
-from gateway.streaming import follow
+from gateway.pipeline.generation import Delta, OutputAssembler
+from gateway.pipeline.handle import RequestHandle
+from gateway.pipeline.streaming import follow
 from tests.test_gateway_units import _FakeTok, _out
 
 

@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.cli import add_serve_parser, config_from_args
-from gateway.generation import OutputAssembler
+from gateway.pipeline.generation import OutputAssembler
 from gateway.server import serve
-from gateway.tracing import RequestTrace
+from gateway.telemetry.tracing import RequestTrace
 from ipc.messages import EngineTimings
 from tenancy.models import UsageRow
 from tenancy.store import open_store

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AdmissionConfig
-from gateway.errors import APIError
-from gateway.generation import OutputAssembler
-from gateway.protocol import parse_chat, parse_completion
-from gateway.routing import Router, WorkerLoad, prefix_keys
-from gateway.tokenizer import GatewayTokenizer, resolve_model_dir
+from gateway.api.errors import APIError
+from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.protocol import parse_chat, parse_completion
+from gateway.fleet.routing import Router, WorkerLoad, prefix_keys
+from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from ipc.messages import RequestOutputMsg
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_gateway_never_imports_torch_or_cupy() -> None:
-    code = ("import sys, gateway.app, gateway.server, gateway.cli, gateway.supervisor; "
+    code = ("import sys, gateway.api.app, gateway.server, gateway.cli, gateway.fleet.supervisor; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy', 'transformers')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.cli import add_serve_parser, config_from_args
 from gateway.config import GatewayConfig
-from gateway.web import CSP, PAGES, STATIC_DIR, _split_fields
+from gateway.api.web import CSP, PAGES, STATIC_DIR, _split_fields
 from tenancy.top import compute_view, parse_exposition
 from tests.test_gateway_support import ADMIN_TOKEN, Server, server, tiny_model_dir  # noqa: F401
 
@@ -184,4 +184,4 @@ def test_worker_fields_are_read_generically() -> None:
 
 def test_static_files_ship_with_the_package() -> None:
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert re.search(r'^gateway = \[[^\]]*"static/\*"', pyproject, re.M), "gateway/static must be package data"
+    assert re.search(r'^"gateway.api" = \[[^\]]*"static/\*"', pyproject, re.M), "api/static: package data"

@@ -12,10 +12,10 @@ import pytest
 import trio
 import zmq
 
-from gateway.generation import Delta
-from gateway.handle import RequestHandle
-from gateway.streaming import DONE, StreamProducer
-from gateway.worker_link import coalesce, open_outbox, run_sender
+from gateway.pipeline.generation import Delta
+from gateway.pipeline.handle import RequestHandle
+from gateway.pipeline.streaming import DONE, StreamProducer
+from gateway.fleet.worker_link import coalesce, open_outbox, run_sender
 from ipc.codec import decode
 from ipc.messages import PROTOCOL_VERSION, Abort, Generate, Hello, RequestOutputMsg, Stats
 from ipc.transport import gateway_router, worker_dealer

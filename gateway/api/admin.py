@@ -30,8 +30,8 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from gateway.errors import APIError, bad_request
-from gateway.http_json import json_response, read_json
+from gateway.api.errors import APIError, bad_request
+from gateway.api.http_json import json_response, read_json
 from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.store import TenancyStore

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import trio
 
-from gateway.errors import APIError
+from gateway.api.errors import APIError
 from tenancy.keys import KEY_PREFIX, hash_key, mask_key
 from tenancy.limiter import Scope
 from tenancy.models import AuthResult, Quota

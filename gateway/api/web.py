@@ -28,11 +28,11 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from gateway.admin import _authorize as authorize_admin
-from gateway.errors import APIError
-from gateway.http_json import json_response
+from gateway.api.admin import _authorize as authorize_admin
+from gateway.api.errors import APIError
+from gateway.api.http_json import json_response
 from gateway.state import GatewayState
-from gateway.worker_state import WorkerState
+from gateway.fleet.worker_state import WorkerState
 
 STATIC_DIR = Path(__file__).with_name("static")
 

@@ -3,7 +3,7 @@
 ``WorkerPool`` is the single owner of the worker table, the in-flight request table and the socket. Its tasks
 (started with ``nursery.start(pool.run)``): one receiver (the only reader of the socket) dispatching worker
 messages to request handles, one monitor telling frozen and hung workers from slow ones, and one sender per
-live worker (``gateway.worker_link``). Route handlers call ``submit`` and ``release`` (sync: safe in any
+live worker (``gateway.fleet.worker_link``). Route handlers call ``submit`` and ``release`` (sync: safe in any
 ``finally``); neither ever waits on a socket.
 
 A worker is alive from its Hello until it is *dead* (its process exited, it said Goodbye, or a send to it
@@ -26,11 +26,11 @@ from collections.abc import Callable
 import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
-from gateway.errors import unavailable
-from gateway.handle import RequestFailed, RequestHandle
-from gateway.routing import Router, prefix_keys
-from gateway.worker_link import Outgoing, open_outbox, run_sender
-from gateway.worker_state import NoObserver, PoolObserver, WorkerState
+from gateway.api.errors import unavailable
+from gateway.pipeline.handle import RequestFailed, RequestHandle
+from gateway.fleet.routing import Router, prefix_keys
+from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
+from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, Generate, Goodbye, Hello, RequestError, SamplingValue, Shutdown, Stats,
                           StepOutputs, WorkerToGateway)
 from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_try_send

@@ -23,7 +23,7 @@ from pathlib import Path
 import trio
 
 from gateway.config import EngineArgs, TimingConfig
-from gateway.pool import WorkerPool
+from gateway.fleet.pool import WorkerPool
 
 log = logging.getLogger("kvgate.gateway.supervisor")
 

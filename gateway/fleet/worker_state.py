@@ -8,9 +8,9 @@ from typing import Final, Protocol
 
 import trio
 
-from gateway.handle import RequestHandle
-from gateway.routing import WorkerLoad
-from gateway.worker_link import Outgoing, open_outbox
+from gateway.pipeline.handle import RequestHandle
+from gateway.fleet.routing import WorkerLoad
+from gateway.fleet.worker_link import Outgoing, open_outbox
 from ipc.messages import EngineTimings, Hello, Stats
 
 # A step running at least this long makes a worker "slow": load, shown in /metrics and top, never a failure.

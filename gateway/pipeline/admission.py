@@ -20,12 +20,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import trio
 
-from gateway.auth import Principal
-from gateway.errors import APIError
-from gateway.gateway_metrics import GatewayMetrics
-from gateway.generation import OutputAssembler
-from gateway.ledger import UsageLedger
-from gateway.tracing import RequestTrace
+from gateway.api.auth import Principal
+from gateway.api.errors import APIError
+from gateway.telemetry.gateway_metrics import GatewayMetrics
+from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.ledger import UsageLedger
+from gateway.telemetry.tracing import RequestTrace
 from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
 from tenancy.models import UsageRow
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.tokenizer import GatewayTokenizer
+from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import EngineTimings, RequestOutputMsg, TokenLogprobs
 from workers.detokenizer import IncrementalDetokenizer
 

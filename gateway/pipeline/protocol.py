@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.errors import APIError, bad_request
-from gateway.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
+from gateway.api.errors import APIError, bad_request
+from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
 from ipc.messages import SamplingValue
 from workers.core.sampling_params import SamplingParams
 

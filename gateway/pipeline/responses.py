@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gateway.generation import Delta, OutputAssembler
-from gateway.protocol import GenerationRequest
-from gateway.tokenizer import GatewayTokenizer
+from gateway.pipeline.generation import Delta, OutputAssembler
+from gateway.pipeline.protocol import GenerationRequest
+from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import TokenLogprobs
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way

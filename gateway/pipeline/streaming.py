@@ -17,11 +17,11 @@ from typing import Any, Protocol
 
 import trio
 
-from gateway.errors import APIError
-from gateway.generation import Delta, OutputAssembler
-from gateway.handle import RequestFailed, RequestHandle
-from gateway.pool import WorkerPool
-from gateway.responses import ResponseBuilder
+from gateway.api.errors import APIError
+from gateway.pipeline.generation import Delta, OutputAssembler
+from gateway.pipeline.handle import RequestFailed, RequestHandle
+from gateway.fleet.pool import WorkerPool
+from gateway.pipeline.responses import ResponseBuilder
 
 log = logging.getLogger("kvgate.gateway.streaming")
 
@@ -103,7 +103,7 @@ class ConsumerGone(Exception):
 
 
 class Account(Protocol):
-    """A request's accounting (``gateway.admission.RequestAccount``): ``finish`` when it completed, before the
+    """A request's accounting (``gateway.pipeline.admission.RequestAccount``): ``finish`` when it completed, before the
     final chunk; ``end`` on every path (a no-op after ``finish``)."""
 
     async def finish(self, asm: OutputAssembler) -> None: ...

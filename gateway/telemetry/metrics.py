@@ -3,7 +3,7 @@
 Per-worker series (label ``worker``) come from each live worker's last Stats heartbeat, so a worker that
 died disappears from the exposition instead of reporting stale numbers. Below them: the pool's own state (IPC
 backlogs, worker time) and, with ``--gpu-hour-cost``, what a token costs. The gateway's per-tenant and
-per-request metrics are in ``gateway.gateway_metrics``.
+per-request metrics are in ``gateway.telemetry.gateway_metrics``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import trio
 
-from gateway.pool import WorkerPool
-from gateway.worker_state import WorkerState
+from gateway.fleet.pool import WorkerPool
+from gateway.fleet.worker_state import WorkerState
 from ipc.messages import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

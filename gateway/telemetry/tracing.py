@@ -35,7 +35,7 @@ from ipc.messages import EngineTimings
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from gateway.generation import OutputAssembler
+    from gateway.pipeline.generation import OutputAssembler
     from tenancy.models import UsageRow
 
 log = logging.getLogger("kvgate.gateway.tracing")

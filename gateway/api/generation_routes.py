@@ -1,0 +1,146 @@
+"""The two OpenAI generation routes (``/v1/chat/completions``, ``/v1/completions``).
+
+Every request is: auth -> read and parse the body (400/413 on anything malformed) -> validate and tokenize
+(``gateway.pipeline.protocol``) -> quota -> ``pool.submit`` (503 when nobody can take it) -> answer (JSON) or
+stream (SSE). Each request is traced from here to its end (see ``gateway.telemetry.tracing``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import trio
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from gateway.api.auth import Principal
+from gateway.api.context import app_state, authorize, check_model, current_trio_app
+from gateway.api.errors import APIError
+from gateway.api.http_json import json_response, read_json
+from gateway.fleet.pool import unix_deadline
+from gateway.pipeline.admission import RequestAccount
+from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.handle import RequestFailed
+from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
+from gateway.pipeline.responses import ResponseBuilder
+from gateway.pipeline.streaming import StreamProducer, complete, failure_to_api_error
+from gateway.telemetry.tracing import RequestTrace
+
+log = logging.getLogger("kvgate.gateway")
+
+PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenizing more than this would stall every other request on the loop
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+def register(app: QuartTrio) -> None:
+    app.add_url_rule("/v1/chat/completions", view_func=chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/completions", view_func=completions, methods=["POST"])
+
+
+async def chat_completions() -> Response:
+    return await generate("chat")
+
+
+async def completions() -> Response:
+    return await generate("completion")
+
+
+async def generate(kind: str) -> Response:
+    rt = app_state().tracing.start_request(request.method, request.path)
+    status: int | None = None  # None: cancelled (the client left before any response)
+    try:
+        response = await run_generation(kind, rt)
+        status = response.status_code
+        return response
+    except (APIError, HTTPException) as e:
+        status = e.status if isinstance(e, APIError) else e.code
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        rt.http_done(status)
+
+
+async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationRequest, str]:
+    state = app_state()
+    with rt.phase("auth"):
+        principal = await authorize()
+    with rt.phase("tokenize"):
+        raw_size = request.content_length or 0
+        body = await read_json()
+        check_model(body, principal)
+        parse = parse_chat if kind == "chat" else parse_completion
+        args = (body, state.tokenizer, state.pool.max_model_len, principal.quota.max_tokens_per_request)
+        if raw_size > PARSE_IN_THREAD_BYTES:
+            req: GenerationRequest = await trio.to_thread.run_sync(parse, *args)
+        else:
+            req = parse(*args)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    with rt.phase("quota"):
+        try:
+            g.ratelimit_headers = await state.tenancy.quota.admit(principal, request_id, len(req.prompt_ids),
+                                                                  req.max_tokens)
+        except APIError as e:
+            g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look
+            state.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
+            raise
+    return principal, req, request_id
+
+
+async def run_generation(kind: str, rt: RequestTrace) -> Response:
+    state = app_state()
+    cfg, tok, pool, ten = state.config, state.tokenizer, state.pool, state.tenancy
+    principal, req, request_id = await admit(kind, rt)
+    g.admitted = True  # from here the request's account logs its end
+    # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
+    account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
+                             len(req.prompt_ids), rt, req.stream,
+                             prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None)
+    asm = OutputAssembler(tok, req.stop, req.logprobs)
+    timeout = cfg.timing.request_timeout
+    try:
+        with rt.phase("queue") as span:
+            handle = await pool.submit(request_id, req.prompt_ids, req.sampling, principal.cache_salt,
+                                       unix_deadline(timeout), principal.weight, rt.context_for(span))
+    except BaseException as e:
+        account.end(asm, "not_submitted")  # gives the reservation back; no ledger row: nothing ran
+        if isinstance(e, RequestFailed):
+            raise failure_to_api_error(e) from None
+        raise
+    # From here `complete` or the stream producer owns the handle and ends the account on every path.
+    account.worker = handle.worker_id
+    builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
+    if not req.stream:
+        return json_response(await complete(pool, handle, asm, builder, timeout, account))
+    producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
+    return start_stream(producer, principal.tenant_name)
+
+
+def start_stream(producer: StreamProducer, tenant: str) -> Response:
+    streams = app_state().metrics.streams.labels(tenant)
+
+    async def run_stream() -> None:
+        # Runs in the app-wide nursery: an exception escaping here would cancel every stream in flight
+        # (the producer contains its own; this is the last line for its cleanup and the gauge).
+        streams.inc()
+        try:
+            await producer.run()
+        except Exception:
+            log.exception("stream %s: unhandled error after its producer ended", producer.handle.request_id)
+        finally:
+            streams.dec()
+
+    try:
+        current_trio_app().nursery.start_soon(run_stream)  # from here the producer owns the handle and the account
+    except BaseException:
+        producer.pool.release(producer.handle)
+        producer.account.end(producer.asm, "cancelled")
+        raise
+    response = Response(producer.body(), status=200, content_type="text/event-stream", headers=SSE_HEADERS)
+    response.timeout = None  # Quart's RESPONSE_TIMEOUT would end the stream after 60 s
+    return response

@@ -1,0 +1,74 @@
+"""The small OpenAI-side and operational routes: health, readiness, version, the model list, a tenant's own
+usage and the Prometheus ``/metrics`` text."""
+
+from __future__ import annotations
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from gateway.api.admin import op_error
+from gateway.api.context import app_state, authorize
+from gateway.api.errors import APIError, bad_request
+from gateway.api.http_json import json_response
+from gateway.api.openapi import VERSION
+from gateway.telemetry import metrics
+from tenancy.admin_ops import AdminOpError, LocalAdmin
+
+
+def register(app: QuartTrio) -> None:
+    app.add_url_rule("/health", view_func=health, methods=["GET"])
+    app.add_url_rule("/ready", view_func=ready, methods=["GET"])
+    app.add_url_rule("/version", view_func=version, methods=["GET"])
+    app.add_url_rule("/v1/models", view_func=models, methods=["GET"])
+    app.add_url_rule("/v1/usage", view_func=own_usage, methods=["GET"])
+    app.add_url_rule("/metrics", view_func=prometheus, methods=["GET"])
+
+
+async def health() -> Response:
+    return json_response({"status": "ok"})
+
+
+async def ready() -> Response:
+    pool = app_state().pool
+    if not pool.ready:
+        raise APIError(503, "no worker is ready", code="not_ready", retry_after=pool.retry_after())
+    return json_response({"status": "ready", "workers": sorted(pool.workers)})
+
+
+async def version() -> Response:
+    return json_response({"version": VERSION})
+
+
+async def models() -> Response:
+    principal = await authorize()
+    state = app_state()
+    cfg = state.config
+    entry = {"id": cfg.model_name, "object": "model", "created": state.created, "owned_by": "kvgate",
+             "root": cfg.model, "parent": None, "max_model_len": state.pool.max_model_len}
+    data = [entry] if principal.allows_model(cfg.model_name) else []
+    return json_response({"object": "list", "data": data})
+
+
+async def own_usage() -> Response:
+    """The calling tenant's own usage (never another's): the admin API's shape for one tenant, with
+    ``since`` (unix seconds, ISO date/time or 7d/24h) and ``by`` (day, model, key)."""
+    principal = await authorize()
+    unknown = sorted(set(request.args) - {"since", "by"})
+    if unknown:
+        raise bad_request(f"unknown query parameter(s) {', '.join(unknown)}", param=unknown[0])
+    admin_ops = LocalAdmin(app_state().tenancy.store)
+    try:
+        body = await trio.to_thread.run_sync(admin_ops.usage, principal.tenant_id, request.args.get("since"),
+                                             request.args.get("by"))
+    except AdminOpError as e:
+        raise op_error(e) from None
+    return json_response({**body, "tenant": principal.tenant_name})
+
+
+async def prometheus() -> Response:
+    state = app_state()
+    cfg, ten, gm = state.config, state.tenancy, state.metrics
+    text = metrics.render(state.pool, cfg.model_name, cfg.observability.gpu_hour_cost, gm.billed_tokens)
+    text += metrics.queues(ten.ledger.queued, ten.quota.queued)
+    return Response(text + gm.render(), content_type=metrics.CONTENT_TYPE)
