@@ -75,92 +75,108 @@ def _query(allowed: tuple[str, ...]) -> dict[str, str]:
     return {k: request.args[k] for k in allowed if k in request.args}
 
 
-def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None]) -> Blueprint:
-    bp = Blueprint("admin", __name__, url_prefix="/admin")
-    ops = LocalAdmin(store)
+class _AdminRoutes:
+    """The admin handlers over one store: each a small method, bound into the blueprint by ``ROUTES``."""
 
-    @bp.before_request
-    async def require_admin_token() -> None:
-        _authorize(admin_token)
+    def __init__(self, ops: LocalAdmin, admin_token: str | None, on_change: Callable[[], None]) -> None:
+        self.ops = ops
+        self.admin_token = admin_token
+        self.on_change = on_change
 
-    async def call(fn: Callable[..., Json], *args: Any, mutation: bool = False, status: int = 200) -> Response:
+    async def require_admin_token(self) -> None:
+        _authorize(self.admin_token)
+
+    async def call(self, fn: Callable[..., Json], *args: Any, mutation: bool = False, status: int = 200) -> Response:
         try:
             result = await trio.to_thread.run_sync(functools.partial(fn, *args))
         except AdminOpError as e:
             raise op_error(e) from None
         if mutation:
-            on_change()
+            self.on_change()
         return json_response(result, status)
 
-    @bp.get("/tenants")
-    async def list_tenants() -> Response:
-        return await call(ops.list_tenants)
+    async def list_tenants(self) -> Response:
+        return await self.call(self.ops.list_tenants)
 
-    @bp.post("/tenants")
-    async def create_tenant() -> Response:
+    async def create_tenant(self) -> Response:
         body = await _body(("name", "weight"))
-        return await call(ops.create_tenant, body.get("name"), body.get("weight", 1.0), mutation=True, status=201)
+        return await self.call(self.ops.create_tenant, body.get("name"), body.get("weight", 1.0), mutation=True,
+                               status=201)
 
-    @bp.get("/tenants/<ref>")
-    async def show_tenant(ref: str) -> Response:
-        return await call(ops.show_tenant, ref)
+    async def show_tenant(self, ref: str) -> Response:
+        return await self.call(self.ops.show_tenant, ref)
 
-    @bp.patch("/tenants/<ref>")
-    async def update_tenant(ref: str) -> Response:
+    async def update_tenant(self, ref: str) -> Response:
         body = await _body(TENANT_FIELDS)
         if len(body) != 1:
             # One field, one store write: a request that sets two could half-apply if the second is refused.
             raise bad_request("give exactly one of 'weight' or 'log_text'", param=None if body else "weight")
         if "log_text" in body:
-            return await call(ops.set_log_text, ref, body["log_text"], mutation=True)
-        return await call(ops.update_tenant, ref, body["weight"], mutation=True)
+            return await self.call(self.ops.set_log_text, ref, body["log_text"], mutation=True)
+        return await self.call(self.ops.update_tenant, ref, body["weight"], mutation=True)
 
-    @bp.delete("/tenants/<ref>")
-    async def delete_tenant(ref: str) -> Response:
-        return await call(ops.delete_tenant, ref, mutation=True)
+    async def delete_tenant(self, ref: str) -> Response:
+        return await self.call(self.ops.delete_tenant, ref, mutation=True)
 
-    @bp.post("/tenants/<ref>/suspend")
-    async def suspend_tenant(ref: str) -> Response:
+    async def suspend_tenant(self, ref: str) -> Response:
         await _body(())
-        return await call(ops.suspend_tenant, ref, mutation=True)
+        return await self.call(self.ops.suspend_tenant, ref, mutation=True)
 
-    @bp.post("/tenants/<ref>/resume")
-    async def resume_tenant(ref: str) -> Response:
+    async def resume_tenant(self, ref: str) -> Response:
         await _body(())
-        return await call(ops.resume_tenant, ref, mutation=True)
+        return await self.call(self.ops.resume_tenant, ref, mutation=True)
 
-    @bp.get("/tenants/<ref>/keys")
-    async def list_tenant_keys(ref: str) -> Response:
-        return await call(ops.list_keys, ref)
+    async def list_tenant_keys(self, ref: str) -> Response:
+        return await self.call(self.ops.list_keys, ref)
 
-    @bp.post("/tenants/<ref>/keys")
-    async def create_key(ref: str) -> Response:
+    async def create_key(self, ref: str) -> Response:
         body = await _body(("label", "expires_at", "expires_in_days"))
-        return await call(ops.create_key, ref, body.get("label", ""), body.get("expires_at"),
-                          body.get("expires_in_days"), mutation=True, status=201)
+        return await self.call(self.ops.create_key, ref, body.get("label", ""), body.get("expires_at"),
+                               body.get("expires_in_days"), mutation=True, status=201)
 
-    @bp.get("/keys")
-    async def list_keys() -> Response:
-        return await call(ops.list_keys, _query(("tenant",)).get("tenant"))
+    async def list_keys(self) -> Response:
+        return await self.call(self.ops.list_keys, _query(("tenant",)).get("tenant"))
 
-    @bp.post("/keys/<key_id>/revoke")
-    async def revoke_key(key_id: str) -> Response:
+    async def revoke_key(self, key_id: str) -> Response:
         await _body(())
-        return await call(ops.revoke_key, key_id, mutation=True)
+        return await self.call(self.ops.revoke_key, key_id, mutation=True)
 
-    @bp.get("/tenants/<ref>/quota")
-    async def get_quota(ref: str) -> Response:
-        return await call(ops.get_quota, ref, _query(("key_id",)).get("key_id"))
+    async def get_quota(self, ref: str) -> Response:
+        return await self.call(self.ops.get_quota, ref, _query(("key_id",)).get("key_id"))
 
-    @bp.put("/tenants/<ref>/quota")
-    async def update_quota(ref: str) -> Response:
+    async def update_quota(self, ref: str) -> Response:
         key_id = _query(("key_id",)).get("key_id")
         body = await _body(QUOTA_FIELDS)
-        return await call(ops.update_quota, ref, body, key_id, mutation=True)
+        return await self.call(self.ops.update_quota, ref, body, key_id, mutation=True)
 
-    @bp.get("/usage")
-    async def usage() -> Response:
+    async def usage(self) -> Response:
         q = _query(("tenant", "since", "by"))
-        return await call(ops.usage, q.get("tenant"), q.get("since"), q.get("by"))
+        return await self.call(self.ops.usage, q.get("tenant"), q.get("since"), q.get("by"))
 
+
+# (method, rule under /admin, handler name): the table the module docstring describes.
+ROUTES = (
+    ("GET", "/tenants", "list_tenants"),
+    ("POST", "/tenants", "create_tenant"),
+    ("GET", "/tenants/<ref>", "show_tenant"),
+    ("PATCH", "/tenants/<ref>", "update_tenant"),
+    ("DELETE", "/tenants/<ref>", "delete_tenant"),
+    ("POST", "/tenants/<ref>/suspend", "suspend_tenant"),
+    ("POST", "/tenants/<ref>/resume", "resume_tenant"),
+    ("GET", "/tenants/<ref>/keys", "list_tenant_keys"),
+    ("POST", "/tenants/<ref>/keys", "create_key"),
+    ("GET", "/keys", "list_keys"),
+    ("POST", "/keys/<key_id>/revoke", "revoke_key"),
+    ("GET", "/tenants/<ref>/quota", "get_quota"),
+    ("PUT", "/tenants/<ref>/quota", "update_quota"),
+    ("GET", "/usage", "usage"),
+)
+
+
+def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None]) -> Blueprint:
+    bp = Blueprint("admin", __name__, url_prefix="/admin")
+    routes = _AdminRoutes(LocalAdmin(store), admin_token, on_change)
+    bp.before_request(routes.require_admin_token)
+    for method, rule, name in ROUTES:
+        bp.add_url_rule(rule, name, getattr(routes, name), methods=[method])
     return bp
