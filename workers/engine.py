@@ -21,6 +21,7 @@ from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
 from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
+from workers import structured
 from workers.startup import StartupProgress
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -57,6 +58,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
+        structured.prepare(self, request_id, params)  # compiles its grammar (bounded) or refuses it
         req = Request(request_id, ids, params, cache_salt, float(weight),
                       arrival_time if arrival_time is not None else self.scheduler.clock(),
                       self.eos_token_ids, self.max_model_len)
@@ -174,6 +176,7 @@ def engine_from_config(cfg: EngineConfig, progress: StartupProgress | None = Non
         engine = engine_from_model(model, cfg, max_len)
     with progress.step("warming up"):
         engine.warm_up()
+    structured.enable(engine, files.directory)  # the grammar engine loads the tokenizer at first use
     return engine, files.directory
 
 

@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token; 0 = only the sampled token
+    structured: str | None = None  # a grammar spec as JSON (workers/structured.py); None: unconstrained
 
     def __post_init__(self) -> None:
         # frozen: normalise a list of stop ids into a tuple so params stay hashable and immutable
@@ -50,6 +51,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.structured is not None and not isinstance(self.structured, str):
+            raise ValueError(f"structured must be a JSON string or None, got {type(self.structured).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
