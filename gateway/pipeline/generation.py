@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import EngineTimings, RequestOutputMsg, TokenLogprobs
-from workers.detokenizer import IncrementalDetokenizer
+from common.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

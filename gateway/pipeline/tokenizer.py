@@ -1,6 +1,6 @@
 """The gateway's tokenizer: Hugging Face ``tokenizers`` plus the model's Jinja chat template, without torch.
 
-The model directory comes from ``workers.model_files`` (torch-free). A GGUF that is not converted yet is
+The model directory comes from ``common.model_files`` (torch-free). A GGUF that is not converted yet is
 converted by ``python -m workers.model_files NAME`` in a subprocess, so torch is loaded there and never here.
 The chat template is rendered the way transformers does it (sandboxed Jinja, trim_blocks/lstrip_blocks,
 ``raise_exception``, ``tojson``) so prompts are token-for-token what the offline engine builds.
@@ -21,8 +21,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from workers import model_files
-from workers.startup import StartupProgress
+from common import model_files
+from common.startup import StartupProgress
 
 
 class ChatTemplateError(ValueError):
@@ -41,7 +41,7 @@ def resolve_model_dir(name: str) -> Path:
         with StartupProgress("gateway").step(f"converting {gguf.name} to safetensors (once; cached after)"):
             subprocess.run([sys.executable, "-m", "workers.model_files", name], check=True,
                            stdout=subprocess.DEVNULL)
-    return model_files.resolve(name, convert=False).directory
+    return model_files.resolve(name).directory
 
 
 def _raise_exception(message: str) -> None:
