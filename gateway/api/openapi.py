@@ -46,6 +46,13 @@ _COMMON = {
     "n": {"type": "integer", "enum": [1]}, "user": _STR,
     "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": _BOOL}},
     **_SAMPLING,
+    # structured outputs (gateway/pipeline/response_format.py): at most one of these four
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": _STR, "description": _STR, "schema": _OBJECT, "strict": _BOOL}}}},
+    "guided_json": {"oneOf": [_OBJECT, _STR]}, "guided_choice": {"type": "array", "items": _STR, "minItems": 1},
+    "guided_regex": _STR,
 }
 _CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
     **_COMMON, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},

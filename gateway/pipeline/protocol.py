@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.api.errors import APIError, bad_request
+from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
 from ipc.messages import SamplingValue
 from workers.core.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
-    "n": _is_int, "user": _is_str, **_SAMPLING_FIELDS,
+    "n": _is_int, "user": _is_str, **_SAMPLING_FIELDS, **STRUCTURED_FIELDS,
 }
 CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
                "top_logprobs": _is_int}
@@ -208,7 +209,8 @@ def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None,
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, **kw).to_dict()
+        return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, structured=structured_spec(fields),
+                              **kw).to_dict()
     except ValueError as e:  # the engine's own range check; its messages start with the field name
         m = _PARAM_RE.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from e
