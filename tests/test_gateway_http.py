@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +19,7 @@ import pytest
 import trio
 
 from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, Server, metrics,  # noqa: F401
-                                        server, tiny_model_dir, wait_idle)
+                                        start_server, tiny_model_dir, wait_idle)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +35,15 @@ def client(server: Server) -> openai.OpenAI:
 def offline(tiny_model_dir):  # type: ignore[no-untyped-def]
     from workers import LLM
 
-    return LLM(str(tiny_model_dir), kv_cache_tokens=16384, max_model_len=MAX_MODEL_LEN)
+    return LLM(str(tiny_model_dir), kv_cache_tokens=16384, max_model_len=MAX_MODEL_LEN, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
+    """The shared server, pinned to fp32 linears: greedy output is compared with the fp32 offline engine."""
+    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log", "--quantization", "none")
+    yield srv
+    srv.stop()
 
 
 def _post(server: Server, path: str, body: Any, **kw: Any) -> httpx.Response:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def llm():  # type: ignore[no-untyped-def]
     from workers.llm import LLM
 
-    return LLM("smollm2", max_num_batched_tokens=48, kv_cache_tokens=8192)
+    return LLM("smollm2", max_num_batched_tokens=48, kv_cache_tokens=8192, quantization="none")  # fp32 = transformers
 
 
 def test_greedy_matches_transformers_token_for_token(llm) -> None:  # type: ignore[no-untyped-def]

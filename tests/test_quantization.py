@@ -194,6 +194,20 @@ def test_config_validates_quantization() -> None:
     with pytest.raises(ValueError):
         ModelConfig(quantization="int4", device="cuda")
     assert ModelConfig().quantization == "none"
+    assert ModelConfig(quantization="auto", device="cuda").quantization == "auto"  # resolves to none there
+
+
+def test_auto_is_the_default_for_the_offline_llm_and_the_worker() -> None:
+    import argparse
+    import inspect
+
+    from workers.llm import LLM
+    from workers.worker_args import add_engine_args, engine_config
+
+    assert inspect.signature(LLM).parameters["quantization"].default == "auto"
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).model.quantization == "auto"  # `kvgate serve` passes none by default
 
 
 

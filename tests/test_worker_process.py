@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -9,15 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 
 from ipc.codec import decode, encode
 from ipc.messages import Abort, Generate, Hello, Message, RequestError, Shutdown, Stats, StepOutputs
+from ipc.sampling import SamplingParams
 from tests.tiny_model_dir import make_tiny_model_dir
-from workers.core.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True).to_dict()
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,8 @@ class FakeGateway:
 def worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
     gw = FakeGateway()
     proc = subprocess.Popen([sys.executable, "-m", "workers.worker", "--connect", gw.addr, "--worker-id", "w0",
-                             "--model", str(tiny_dir), "--kv-cache-tokens", "2048", "--block-size", "4"])
+                             "--model", str(tiny_dir), "--kv-cache-tokens", "2048", "--block-size", "4",
+                             "--quantization", "none"])  # fp32: compared with the offline engine below
     try:
         hello = gw.recv(timeout_s=120)
         assert isinstance(hello, Hello) and hello.worker_id == "w0" and hello.num_kv_blocks == 512
@@ -87,7 +90,7 @@ def test_generate_matches_offline_engine(worker, tiny_dir: Path) -> None:  # typ
     toks, reason = collect(gw, "r1")
     from workers.llm import LLM
 
-    offline = LLM(str(tiny_dir), kv_cache_tokens=2048, block_size=4)
+    offline = LLM(str(tiny_dir), kv_cache_tokens=2048, block_size=4, quantization="none")
     [ref] = offline.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert toks == ref.token_ids and reason == "length"
 
@@ -97,9 +100,9 @@ def test_bad_request_is_an_error_not_a_crash(worker) -> None:  # type: ignore[no
     gw.send(Generate("bad", [10**9], GREEDY, None, 1.0, None, None))
     err = gw.recv()
     assert isinstance(err, RequestError) and err.request_id == "bad" and err.code == "invalid_request"
-    gw.send(Generate("bad2", [5], {**GREEDY, "temperature": -1.0}, None, 1.0, None, None))
-    err = gw.recv()
-    assert isinstance(err, RequestError) and "temperature" in err.message
+    frame = msgpack.unpackb(encode(Generate("bad2", [5], GREEDY, None, 1.0, None, None)))
+    frame[3][1] = -1.0  # temperature: no SamplingParams can hold it, only a hand-made frame
+    gw.sock.send_multipart([gw.peer, msgpack.packb(frame)])  # fails decode: dropped unanswered (collect below)
     gw.sock.send_multipart([gw.peer, b"\xc1garbage"])  # malformed frame: dropped, worker lives on
     gw.send(Generate("ok", [5, 6, 7], GREEDY, None, 1.0, None, None))
     toks, _ = collect(gw, "ok")
@@ -108,7 +111,7 @@ def test_bad_request_is_an_error_not_a_crash(worker) -> None:  # type: ignore[no
 
 def test_abort_frees_kv_and_deadline_expires(worker) -> None:  # type: ignore[no-untyped-def]
     gw, _ = worker
-    long = {**GREEDY, "max_tokens": 2000}
+    long = dataclasses.replace(GREEDY, max_tokens=2000)
     gw.send(Generate("a", list(range(100, 400)), long, None, 1.0, None, None))
     gw.send(Generate("d", list(range(500, 600)), long, None, 1.0, time.time() + 0.5, None))
     gw.recv()

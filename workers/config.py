@@ -18,16 +18,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV cache
     seed: int = 0  # for requests that carry no seed of their own
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: torch's default)
-    # Linear layers: "none" (fp32, token-identical to transformers: the offline default the golden test
-    # pins), "int8" / "int4" (GGUF-style blocks, the C++ kernel), "auto" (the rule in workers.models.linear;
-    # what `kvgate serve` uses unless told otherwise).
+    # Linear layers: "none" (fp32, token-identical to transformers: what the golden test pins), "int8" /
+    # "int4" (GGUF-style blocks, the C++ kernel), "auto" (the rule in workers.models.linear; "none" off the
+    # CPU or below fp32). The offline LLM, `kvgate worker` and `kvgate serve` default to "auto"; this engine
+    # config stays "none" so engine-level tests on tiny models keep their exact fp32 oracles.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization != "none" and self.device != "cpu":
-            raise ValueError("quantization int8/int4/auto runs on the CPU only; use 'none' on CUDA")
+        if self.quantization in ("int8", "int4") and self.device != "cpu":
+            raise ValueError("quantization int8/int4 runs on the CPU only; use 'none' (or 'auto') on CUDA")
         if self.quantization in ("int8", "int4") and self.dtype != "float32":
             raise ValueError(f"quantization {self.quantization} computes in float32; got dtype {self.dtype!r}")
         if self.dtype not in _DTYPES:

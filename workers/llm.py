@@ -34,7 +34,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
-                 quantization: str = "none") -> None:
+                 quantization: str = "auto") -> None:
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(

@@ -15,7 +15,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="linear layers: none (fp32), int8/int4 (GGUF-style blocks, CPU), auto (see README)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
@@ -36,6 +36,6 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--target-step-ms must be a number > 0, got {target}")
     budget = a.max_num_batched_tokens
     return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed,
-                                    quantization=getattr(a, "quantization", "none")),
+                                    quantization=getattr(a, "quantization", "auto")),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype),
                         SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget))
