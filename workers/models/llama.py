@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+from workers.models.fused import REFERENCE, FusedOps, rms_norm_ref
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class LlamaConfig:
     o_proj_bias: bool = False  # bias on the output projection too (Llama with attention_bias, not Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None  # Mistral's window; not implemented: max_model_len is capped at it instead
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -61,6 +62,7 @@ class LlamaConfig:
             attention_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
             o_proj_bias=bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2",
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )
 
 
@@ -97,12 +99,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        h = x.float()  # normalise in fp32 whatever the model dtype, as the reference does
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm_ref(x, None, self.weight, self.eps)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, D) each
+@dataclass
+class StepCtx:
+    """What every layer of one step shares: the fused ops, positions, the rope tables and, on the reference
+    path only, the step's cos/sin rows (looked up once per step, not per layer)."""
+
+    ops: FusedOps
+    positions: torch.Tensor  # (T,)
+    tables: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (max_len, D) fp32
+    rows: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin: (T, 1, D) in the model dtype, or None
+    kv: tuple[torch.Tensor, torch.Tensor] = field(default=(torch.empty(0), torch.empty(0)))
 
 
 class Rotary(nn.Module):
@@ -115,16 +124,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: (T,)
-        """The step's cos/sin rows, looked up once per step and shared by every layer."""
-        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)  # (T, 1, D)
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:  # x: (T, heads, D) -> (T, heads, D)
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos/sin rows (T, 1, D), for the reference path, shared by every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
 
 
 class Attention(nn.Module):
@@ -135,13 +137,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = apply_rope(q.view(t, self.hq, self.d), rope)  # (T, Hq, D)
-        k = apply_rope(k.view(t, self.hkv, self.d), rope)  # (T, Hkv, D)
-        v = v.view(t, self.hkv, self.d)  # (T, Hkv, D)
+    def forward(self, x: torch.Tensor, step: StepCtx, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
+        t, kv = x.shape[0], step.kv
+        qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D): q and k are rotated in place, in one call
+        step.ops.rope_qk_(qkv, self.hq + self.hkv, self.d, step.tables, step.positions, step.rows)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         backend.write_kv(k, v, kv[0], kv[1], meta)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.hq * self.d))
@@ -154,9 +156,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: FusedOps = REFERENCE) -> torch.Tensor:  # (T, H) -> (T, H)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -167,10 +168,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, step: StepCtx, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """x: the residual stream, updated in place (x += delta, the previous layer's MLP output, then
+        x += attention); returns this layer's MLP output, which the next layer (or the final norm) adds."""
+        n1, n2, ops = self.input_layernorm, self.post_attention_layernorm, step.ops
+        a = self.self_attn(ops.rms_norm(x, delta, n1.weight, n1.eps), step, meta, backend)
+        return self.mlp(ops.rms_norm(x, a, n2.weight, n2.eps), ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_len)
+        self.ops = REFERENCE  # the fused C++ ops are set by the loader where they were built
 
     def forward(
         self,
@@ -194,9 +199,14 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # (S,) int64: rows whose next token is sampled
     ) -> torch.Tensor:  # (S, vocab) fp32
-        x = self.embed_tokens(input_ids)  # (T, H)
-        rope = self.rotary(positions, x.dtype)
+        x = self.embed_tokens(input_ids)  # (T, H): a fresh tensor, the residual stream updated in place
+        tables = (cast(torch.Tensor, self.rotary.cos), cast(torch.Tensor, self.rotary.sin))
+        rows = None if self.ops.usable(x) else self.rotary(positions, x.dtype)
+        step = StepCtx(self.ops, positions, tables, rows)
+        delta: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta, backend)
-        x = self.norm(x[logits_indices])  # (S, H): only rows that are sampled reach the head
+            step.kv = kv
+            delta = layer(x, delta, step, meta, backend)
+        x, delta = x[logits_indices], None if delta is None else delta[logits_indices]
+        x = self.ops.rms_norm(x, delta, self.norm.weight, self.norm.eps)  # (S, H): only sampled rows
         return self.lm_head(x).float()

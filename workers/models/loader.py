@@ -100,6 +100,11 @@ def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: i
     model.to(device=device, dtype=dtype)
     # Rope tables stay fp32 (built after the cast, so they never pass through a lower precision).
     model.rotary = Rotary(cfg, max_len).to(device)
+    if device.type == "cpu" and dtype == torch.float32:  # the fused C++ ops run fp32 on the CPU only
+        from kernels_cupy.cpu.fused import load_fused
+        from workers.models.fused import FusedOps
+
+        model.ops = FusedOps(load_fused())
     return model.eval()
 
 
@@ -111,7 +116,7 @@ def apply_quantization(model: LlamaForCausalLM, cfg: ModelConfig, gguf: Path | N
     from workers.models.gguf_blocks import gguf_linear_blocks, layer_bits
     from workers.models.linear import quantize_linears, resolve_mode
 
-    if cfg.quantization == "none" or (cfg.quantization == "auto" and cfg.dtype != "float32"):
+    if cfg.quantization == "none" or (cfg.quantization == "auto" and (cfg.dtype != "float32" or cfg.device != "cpu")):
         return "none"
     kernel = load_qgemm()
     if resolve_mode(cfg.quantization, kernel, None) == "none":

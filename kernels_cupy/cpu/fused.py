@@ -1,0 +1,29 @@
+"""The fused decoder-layer ops (``fused_ops.cpp``: RMSNorm with its residual add, rope in place, SiLU*up),
+built like the other CPU kernels (``build.py``). ``KVGATE_CPU_KERNEL=0`` switches them off (the torch
+references in ``workers.models.fused`` run instead)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def load_fused() -> Any | None:
+    """The compiled module, or None (logged once) where it cannot be had."""
+    if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        from kernels_cupy.cpu.build import load_extension
+
+        # -ffp-contract=off: no fused multiply-adds, so rope rounds like the torch reference, op for op.
+        return load_extension("kvgate_cpu_fused_ops", [Path(__file__).with_name("fused_ops.cpp")],
+                              cflags=["-O3", "-ffp-contract=off"], ldflags=[])
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
+        log.warning("fused CPU ops unavailable (%s); using the torch reference ops", e)
+        return None

@@ -1,0 +1,121 @@
+// Fused elementwise ops of a decoder layer, fp32, for the CPU: what torch runs as 5-10 small ops each
+// (RMSNorm with its residual add, rotary embedding of q and k in place, SiLU(gate) * up) in one pass.
+// Each function body is compiled twice by gcc's target_clones, for AVX2 and for the baseline ISA, and the
+// loader picks the clone at run time from the CPU's features (an ifunc), so one binary runs everywhere.
+// References in torch: workers/models/fused.py; tests/test_fused_ops.py compares the two.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+#define KV_CLONES __attribute__((target_clones("avx2", "default")))
+
+namespace {
+
+constexpr int kLanes = 8;  // 8 partial sums: vectorizes to one AVX2 register without -ffast-math
+
+KV_CLONES float sum_sq(const float* x, int64_t n) {
+  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+KV_CLONES void scale_row(const float* x, const float* w, float r, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);  // same association as the torch reference
+}
+
+KV_CLONES void add_row(float* x, const float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+}
+
+KV_CLONES void rope_head(float* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + (-b) * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+KV_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1, name,
+              ": fp32 (T, N) with contiguous rows expected");
+}
+
+}  // namespace
+
+// out = w * x * rsqrt(mean(x^2) + eps) per row; with `delta`, x += delta first (in place: the residual).
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  const int64_t t = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.is_contiguous() && w.numel() == n && w.dtype() == torch::kFloat32, "w: fp32 (N,)");
+  if (delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->size(0) == t && delta->size(1) == n, "delta: same shape as x");
+  }
+  auto out = torch::empty({t, n}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta ? delta->data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), ds = delta ? delta->stride(0) : 0;
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* row = xp + r * xs;
+      if (dp) add_row(row, dp + r * ds, n);
+      float inv = 1.f / std::sqrt(sum_sq(row, n) / n + static_cast<float>(eps));
+      scale_row(row, wp, inv, op + r * n, n);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding (the rotate-half form) of the first `heads` heads of each row of `qkv`, in place.
+// cos/sin: the (max_len, D) tables built once at load; positions: (T,) int64.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, int64_t heads,
+           int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim, "cos/sin: (L, D)");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.numel() == qkv.size(0), "positions: (T,)");
+  TORCH_CHECK(heads * head_dim <= qkv.size(1) && head_dim % 2 == 0, "heads * head_dim exceeds the row");
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t t = qkv.size(0), rs = qkv.stride(0), len = cos.size(0);
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] < len, "position out of the rope table");
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        rope_head(xp + r * rs + h * head_dim, cp + pp[r] * head_dim, sp + pp[r] * head_dim, head_dim / 2);
+  });
+}
+
+// (T, 2I) [gate | up] -> (T, I) silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t t = gate_up.size(0), i2 = gate_up.size(1), inter = i2 / 2;
+  TORCH_CHECK(i2 % 2 == 0, "gate_up: an even number of columns");
+  auto out = torch::empty({t, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rs = gate_up.stride(0);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) silu_mul_row(gp + r * rs, gp + r * rs + inter, op + r * inter, inter);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of x (after x += delta, in place, where given)");
+  m.def("rope_", &rope_, "rotary embedding of the first heads of each row, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}
