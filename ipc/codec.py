@@ -1,8 +1,8 @@
 """msgpack codec for ``ipc.messages`` (never pickle).
 
 A frame is one msgpack array: ``[tag, field_1, ..., field_n]`` with the fields in dataclass declaration order.
-Nested values (``RequestOutputMsg``, ``EngineTimings``) are plain arrays of their fields (no tag: their position
-already says what they are).
+Nested values (``RequestOutputMsg``, ``EngineTimings``, ``SamplingParams``) are plain arrays of their fields
+(no tag: their position already says what they are).
 
 Decoding trusts nothing: every frame comes off a socket any process on the network may write to. It checks
 the tag, the arity and the type of every field down to list elements (``bool`` is not accepted as ``int``),
@@ -30,12 +30,12 @@ from ipc.messages import (
     Message,
     RequestError,
     RequestOutputMsg,
-    SamplingValue,
     Shutdown,
     Stats,
     StepOutputs,
     TokenLogprobs,
 )
+from ipc.sampling import SamplingParams
 
 # Refuse frames above this size before unpacking them. A 1M-token prompt is ~5 MiB of msgpack, so this only
 # stops abuse; transport.py sets the same cap as ZMQ_MAXMSGSIZE so such a peer is cut off at the socket.
@@ -123,26 +123,18 @@ def _str_dict(v: object, where: str) -> dict[str, str]:
     return v
 
 
-_SCALAR_TYPES: Final = (type(None), bool, int, float, str)
-
-
-def _sampling_value(v: object, where: str) -> SamplingValue:
-    if type(v) in _SCALAR_TYPES:
-        return v  # type: ignore[return-value]  # one of the scalar types of SamplingValue
-    items = _array(v, where)  # only flat lists of scalars (stop_token_ids, ...); no nesting
-    for i, x in enumerate(items):
-        if type(x) not in _SCALAR_TYPES:
-            raise _bad(f"{where}[{i}]", "scalar", x)
-    return items  # type: ignore[return-value]  # checked element by element above
-
-
-def _sampling(v: object, where: str) -> dict[str, SamplingValue]:
-    if type(v) is not dict:
-        raise _bad(where, "map", v)
-    for key, value in v.items():
-        _str(key, f"{where} key")
-        _sampling_value(value, f"{where}[{key!r}]")
+def _bool(v: object, where: str) -> bool:
+    if type(v) is not bool:
+        raise _bad(where, "bool", v)
     return v
+
+
+def _sampling(v: object, where: str) -> SamplingParams:
+    fields = _decode_fields(_SAMPLING_SPEC, _array(v, where), where)
+    try:
+        return SamplingParams(*fields)  # its own range checks: the worker's one validation of these values
+    except ValueError as exc:
+        raise ProtocolError(f"{where}: {exc}") from exc
 
 
 def _top_logprob(v: object, where: str) -> tuple[int, float]:
@@ -189,8 +181,16 @@ _OUTPUT_SPEC: Final = _spec(
     0, RequestOutputMsg,
     (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings))
 )
+# SamplingParams, field by field: max_tokens, temperature, top_k, top_p, min_p, seed, presence_penalty,
+# frequency_penalty, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, logprobs, structured.
+_SAMPLING_SPEC: Final = _spec(
+    0, SamplingParams,
+    (_opt(_int), _float, _int, _float, _float, _opt(_int), _float, _float, _float, _int, _int_list, _bool,
+     _opt(_int), _opt(_str))
+)
 _NESTED: Final[Mapping[type[Any], _Spec]] = MappingProxyType({EngineTimings: _TIMINGS_SPEC,
-                                                              RequestOutputMsg: _OUTPUT_SPEC})
+                                                              RequestOutputMsg: _OUTPUT_SPEC,
+                                                              SamplingParams: _SAMPLING_SPEC})
 
 # Tags are small ints so a frame's first byte says what it is: 1.. gateway->worker, 16.. worker->gateway.
 # Never reuse or renumber a tag; retire it and bump PROTOCOL_VERSION instead.

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 3  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
-# request ids in Stats, the token budget in Hello
+from ipc.sampling import SamplingParams
 
-# The engine's sampling parameters as plain values: scalars (None, bool, int, float, str) or flat lists of
-# scalars (e.g. stop_token_ids). The worker rebuilds its SamplingParams from it; ipc stays engine-agnostic.
-SamplingValue = None | bool | int | float | str | list[None | bool | int | float | str]
+# Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
+PROTOCOL_VERSION = 4  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+# request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict)
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -33,7 +31,7 @@ class Generate:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, SamplingValue]
+    sampling: SamplingParams  # validated when the frame is decoded
     cache_salt: str | None  # mixed into the first KV block hash so tenants never share cached prefixes
     weight: float  # weighted-fair-queuing share of the tenant
     deadline: float | None  # unix seconds; the worker may finish the request with a timeout after it

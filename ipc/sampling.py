@@ -1,15 +1,18 @@
-"""Per-request sampling parameters, validated on construction (bad values raise ValueError)."""
+"""Per-request sampling parameters: a typed wire message (``Generate.sampling``) and the engine's own type.
+
+Validated on construction (bad values raise ValueError), so each trust boundary checks them exactly once: the
+gateway when it parses the user's JSON into one, the worker when ``ipc.codec`` decodes a Generate frame (a
+frame whose parameters fail is a ProtocolError). The engine (``workers.core``) uses this class as is."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What to sample and when to stop. ``temperature == 0`` means greedy."""
 
@@ -90,16 +93,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values for the wire (msgpack); ``from_dict`` validates them again on the other side."""
-        d = asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-        return cls(**d)

@@ -19,10 +19,23 @@ from ipc.messages import RequestOutputMsg
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gateway_never_imports_torch_or_cupy() -> None:
-    code = ("import sys, gateway.api.app, gateway.server, gateway.cli, gateway.fleet.supervisor; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy', 'transformers')]; "
-            "assert not bad, bad")
+GATEWAY_FORBIDDEN = ("workers", "torch", "cupy", "transformers")
+
+
+def test_gateway_never_imports_workers_torch_or_cupy() -> None:
+    """The gateway talks to workers only over IPC: its import graph (app, server, CLI, supervisor, every
+    route module) holds nothing from workers/, torch, CuPy or transformers, checked in a fresh interpreter."""
+    code = ("import sys, gateway.api.app, gateway.server, gateway.cli, gateway.fleet.supervisor, gateway.__main__; "
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {GATEWAY_FORBIDDEN!r}); "
+            "assert not bad, bad; assert 'gateway.api.app' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_common_imports_neither_side() -> None:
+    """common/ is what both sides import, so it may import neither (nor torch)."""
+    code = ("import sys, common.detokenizer, common.logs, common.model_files, common.startup; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('gateway', 'workers', 'torch', 'cupy', "
+            "'transformers')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
@@ -54,8 +67,8 @@ def test_chat_template_matches_transformers(tok: GatewayTokenizer) -> None:
 def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                       "stop": "x", "top_k": 5, "seed": 3, "max_completion_tokens": 7, "user": None}, tok, 4096)
-    assert req.max_tokens == 7 and req.stop == ("x",) and req.sampling["top_k"] == 5
-    assert req.sampling["seed"] == 3 and req.sampling["logprobs"] is None
+    assert req.max_tokens == 7 and req.stop == ("x",) and req.sampling.top_k == 5
+    assert req.sampling.seed == 3 and req.sampling.logprobs is None
     req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}]}, tok, 100)
     assert req.max_tokens == 100 - len(req.prompt_ids)  # chat default: the rest of the context
 

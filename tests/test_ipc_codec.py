@@ -25,12 +25,13 @@ from ipc.messages import (
     Stats,
     StepOutputs,
 )
+from ipc.sampling import SamplingParams
 
 GENERATE = Generate(
     request_id="req-1",
     prompt_token_ids=[1, 2, 3, 49151],
-    sampling={"temperature": 0.7, "top_k": 50, "max_tokens": None, "ignore_eos": False,
-              "stop_token_ids": [2, 7], "seed": 2**63 - 1},
+    sampling=SamplingParams(temperature=0.7, top_k=50, max_tokens=None, ignore_eos=False, stop_token_ids=(2, 7),
+                            seed=2**63 - 1, structured='{"type": "json_object"}'),
     cache_salt="tenant-salt",
     weight=2.5,
     deadline=1_900_000_000.25,
@@ -50,7 +51,7 @@ STATS = Stats("worker-0", 3, 1, 0.25, 3072, 4096, 2, 10, 7, 1000, 500, 1_700_000
 
 SAMPLES: list[Message] = [
     GENERATE,
-    Generate("r", [], {}, None, 1.0, None, None),  # every optional empty
+    Generate("r", [], SamplingParams(), None, 1.0, None, None),  # every optional empty
     Abort(["req-1", "req-2"]),
     Abort([]),
     Drain(),
@@ -93,7 +94,7 @@ def test_every_message_type_is_sampled() -> None:
     import ipc.messages as messages
 
     wire_types = {obj for obj in vars(messages).values()
-                  if dataclasses.is_dataclass(obj) and obj not in (RequestOutputMsg, EngineTimings)}
+                  if dataclasses.is_dataclass(obj) and obj not in (RequestOutputMsg, EngineTimings, SamplingParams)}
     assert wire_types == {type(m) for m in SAMPLES}
 
 
@@ -130,6 +131,15 @@ def _with(msg: Message, index: int, value: object) -> bytes:
     """msg's frame with element ``index`` (0 = tag) replaced."""
     frame = _frame(msg)
     frame[index] = value
+    return _pack(frame)
+
+
+def _with_sampling(index: int, value: object) -> bytes:
+    """GENERATE's frame with field ``index`` of its nested SamplingParams array replaced."""
+    frame = _frame(GENERATE)
+    sampling = frame[3]
+    assert isinstance(sampling, list)
+    sampling[index] = value
     return _pack(frame)
 
 
@@ -178,11 +188,20 @@ MALFORMED: dict[str, bytes] = {
     "prompt bool token": _with(GENERATE, 2, [1, True, 3]),
     "prompt float token": _with(GENERATE, 2, [1, 2.0]),
     "prompt nil token": _with(GENERATE, 2, [None]),
-    "sampling not map": _with(GENERATE, 3, [["temperature", 1.0]]),
-    "sampling nested list": _with(GENERATE, 3, {"stop_token_ids": [[1, 2]]}),
-    "sampling map value": _with(GENERATE, 3, {"logit_bias": {"1": 2.0}}),
-    "sampling bytes value": _with(GENERATE, 3, {"x": b"\x00"}),
-    "sampling ext value": _with(GENERATE, 3, {"x": msgpack.ExtType(5, b"x")}),
+    "sampling a map (protocol 3)": _with(GENERATE, 3, {"temperature": 1.0}),
+    "sampling too short": _with(GENERATE, 3, _frame(GENERATE)[3][:-1]),
+    "sampling nested list": _with_sampling(10, [[1, 2]]),
+    "sampling bytes value": _with_sampling(13, b"\x00"),
+    "sampling ext value": _with_sampling(13, msgpack.ExtType(5, b"x")),
+    "sampling temperature str": _with_sampling(1, "0.7"),
+    "sampling ignore_eos int": _with_sampling(11, 1),
+    "sampling top_k bool": _with_sampling(2, True),
+    # sampling ranges: the worker's one check of them is this decode
+    "sampling temperature negative": _with_sampling(1, -1.0),
+    "sampling top_p zero": _with_sampling(3, 0.0),
+    "sampling temperature nan": _with_sampling(1, math.nan),
+    "sampling max_tokens zero": _with_sampling(0, 0),
+    "sampling stop id negative": _with_sampling(10, [-1]),
     "cache_salt int": _with(GENERATE, 4, 7),
     "weight bool": _with(GENERATE, 5, True),
     "weight str": _with(GENERATE, 5, "1.0"),

@@ -19,7 +19,8 @@ def _imported_top_level(module: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["ipc", "ipc.messages", "ipc.codec", "ipc.sync_transport", "ipc.transport"])
+@pytest.mark.parametrize("module", ["ipc", "ipc.messages", "ipc.sampling", "ipc.codec", "ipc.sync_transport",
+                                    "ipc.transport"])
 def test_ipc_never_imports_gateway_workers_or_torch(module: str) -> None:
     assert not _imported_top_level(module) & set(FORBIDDEN_EVERYWHERE)
 

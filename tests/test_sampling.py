@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from ipc.codec import decode, encode
+from ipc.messages import Generate
 from tests.tiny import hf_model, random_prompts, run_all, tiny_engine
 from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
@@ -25,11 +27,10 @@ def test_invalid_params_raise_value_error(kw: dict[str, object]) -> None:
         SamplingParams(**kw)  # type: ignore[arg-type]
 
 
-def test_params_round_trip_and_unknown_fields() -> None:
+def test_params_round_trip_the_wire() -> None:
     p = SamplingParams(max_tokens=5, temperature=0.7, stop_token_ids=[1, 2], seed=3, logprobs=2)
-    assert SamplingParams.from_dict(p.to_dict()) == p
-    with pytest.raises(ValueError, match="unknown"):
-        SamplingParams.from_dict({"max_tokens": 3, "bogus": 1})
+    msg = decode(encode(Generate("r", [1], p, None, 1.0, None, None)))
+    assert isinstance(msg, Generate) and msg.sampling == p and msg.sampling.stop_token_ids == (1, 2)
 
 
 def _req(rid: str, **kw: object) -> Request:

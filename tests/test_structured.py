@@ -9,6 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from ipc.codec import decode, encode
+from ipc.messages import Generate
 from tests.tiny import hf_model, run_all, tiny_engine
 from workers import structured
 from workers.core.sampling_params import SamplingParams
@@ -130,6 +132,7 @@ def test_an_engine_without_a_tokenizer_refuses_structured_requests() -> None:
 
 def test_sampling_params_round_trip_the_spec() -> None:
     p = SamplingParams(structured=_spec("json_object"))
-    assert SamplingParams.from_dict(p.to_dict()) == p
+    msg = decode(encode(Generate("r", [1], p, None, 1.0, None, None)))  # the spec crosses the wire intact
+    assert isinstance(msg, Generate) and msg.sampling == p
     with pytest.raises(ValueError):
         SamplingParams(structured={"type": "json_object"})  # type: ignore[arg-type]

@@ -24,7 +24,6 @@ from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generat
 from ipc.sync_transport import send, worker_dealer
 from workers import step_sizing
 from workers.core.outputs import StepOutput
-from workers.core.sampling_params import SamplingParams
 from workers.engine import LLMEngine, engine_from_config
 from common.logs import FORMATS, setup_logging
 from common.startup import StartupProgress
@@ -72,8 +71,8 @@ class Worker:
             self.io.send(RequestError(g.request_id, "worker is draining", "draining"))
             return
         try:
-            params = SamplingParams.from_dict(dict(g.sampling))
-            self.engine.add_request(g.request_id, g.prompt_token_ids, params, g.cache_salt, g.weight)
+            # g.sampling was validated when the frame was decoded (ipc.codec): no second check here
+            self.engine.add_request(g.request_id, g.prompt_token_ids, g.sampling, g.cache_salt, g.weight)
         except (ValueError, TypeError) as e:  # bad input: a 4xx for that request, never a dead worker
             self.io.send(RequestError(g.request_id, str(e), "invalid_request"))
             return

@@ -31,8 +31,8 @@ from gateway.pipeline.handle import RequestFailed, RequestHandle
 from gateway.fleet.routing import Router, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
-from ipc.messages import (Abort, Generate, Goodbye, Hello, RequestError, SamplingValue, Shutdown, Stats,
-                          StepOutputs, WorkerToGateway)
+from ipc.messages import Abort, Generate, Goodbye, Hello, RequestError, Shutdown, Stats, StepOutputs, WorkerToGateway
+from ipc.sampling import SamplingParams
 from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_try_send
 
 log = logging.getLogger("kvgate.gateway.pool")
@@ -117,7 +117,7 @@ class WorkerPool:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt_ids: list[int], sampling: dict[str, SamplingValue],
+    async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
                      trace_context: dict[str, str] | None = None) -> RequestHandle:
         """Pick a worker and queue the request for it. Raises APIError(503) when no worker can take it."""

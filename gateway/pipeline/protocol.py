@@ -1,8 +1,8 @@
 """Parse and validate OpenAI request bodies into one engine-ready ``GenerationRequest``.
 
 Every accepted field is listed here with its type; anything else is a 400 naming the field ("nothing is
-silently ignored"). Ranges are checked by the engine's own ``SamplingParams`` so the gateway and the worker
-can never disagree on what is valid. A JSON ``null`` means "not given", as in OpenAI's API.
+silently ignored"). Ranges are checked by ``ipc.sampling.SamplingParams``, the wire message itself, so the gateway
+and the worker can never disagree on what is valid. A JSON ``null`` means "not given", as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any, Literal
 from gateway.api.errors import APIError, bad_request
 from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
-from ipc.messages import SamplingValue
-from workers.core.sampling_params import SamplingParams
+from ipc.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
@@ -32,7 +31,7 @@ Kind = Literal["chat", "completion"]
 class GenerationRequest:
     kind: Kind
     prompt_ids: list[int]
-    sampling: dict[str, SamplingValue]  # SamplingParams.to_dict(): what the worker gets
+    sampling: SamplingParams  # validated here; what the worker gets
     max_tokens: int
     stop: tuple[str, ...]
     stream: bool
@@ -204,14 +203,14 @@ def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
 _PARAM_RE = re.compile(r"^([a-z_]+) ")
 
 
-def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int) -> dict[str, Any]:
+def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int) -> SamplingParams:
     kw = {k: fields[k] for k in _SAMPLING_FIELDS if k in fields}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, structured=structured_spec(fields),
-                              **kw).to_dict()
-    except ValueError as e:  # the engine's own range check; its messages start with the field name
+                              **kw)
+    except ValueError as e:  # the wire type's own range check; its messages start with the field name
         m = _PARAM_RE.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from e
 
