@@ -37,7 +37,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "browser; repeatable; default: none (CORS off)")
     t = p.add_argument_group("tenancy")
     t.add_argument("--db", default=os.environ.get("KVGATE_DB", "kvgate.db"),
-                   help="SQLite store of tenants, keys, quotas and usage (env KVGATE_DB)")
+                   help="store of tenants, keys, quotas and usage: an SQLite file, or postgresql://... shared by "
+                        "several gateways (needs KVGATE_SECRET) (env KVGATE_DB)")
     t.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
                    help="bearer token for /admin/* (env KVGATE_ADMIN_TOKEN; unset: admin API off)")
     t.add_argument("--redis-url", default=os.environ.get("KVGATE_REDIS_URL"),

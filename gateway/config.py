@@ -82,7 +82,9 @@ class TimingConfig:
 
 @dataclass(frozen=True)
 class TenancyConfig:
-    db_path: str = "kvgate.db"  # SQLite (WAL): tenants, keys, quotas, usage ledger; the secret lies beside it
+    # Tenants, keys, quotas, usage ledger: an SQLite (WAL) file with the secret beside it, or a postgresql:// URL
+    # (several gateways, one database; the secret then comes from KVGATE_SECRET).
+    db_path: str = "kvgate.db"
     admin_token: str | None = None  # guards /admin/*; None: the admin API is off
     redis_url: str | None = None  # shared rate-limit/concurrency counters for several gateways
     redis_fail_open: bool = False  # Redis unreachable: refuse (503, default) or admit without limits

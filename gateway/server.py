@@ -32,6 +32,7 @@ from gateway.telemetry.tracing import Tracing
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret
+from tenancy.db_backend import redact
 from tenancy.store import TenancyStore, open_store
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def _create_demo_tenant(store: TenancyStore, db_path: str) -> None:
     except ValueError:
         return  # another gateway starting on the same fresh store won the race; it prints the key
     key_id, plaintext = store.create_key("demo", "created on first start")
-    print(f"kvgate: empty store {db_path}: created tenant 'demo' and API key {key_id}. The key is shown only "
+    print(f"kvgate: empty store {redact(db_path)}: created tenant 'demo' and API key {key_id}. The key is shown only "
           f"this once:\n  export KVGATE_API_KEY={plaintext}", flush=True)
     log.info("created tenant 'demo' with key %s on an empty store", key_id)
 
