@@ -1,9 +1,9 @@
-"""The shared `RateLimiter`: the semantics of `tenancy.limiter.Limiter`, with its state in Redis, so that every
-gateway process using one Redis enforces ONE limit (not one per replica).
+"""The shared `RateLimiter`: the algorithm of `tenancy.limits_spec` with its state in Redis, so that every gateway
+process using one Redis enforces ONE limit (not one per replica).
 
-Each admit and settle is one Lua script (atomic: it checks every scope and only then consumes in all of them). Time
-is the caller's clock, passed in ARGV (never Redis TIME), so gateways on synced hosts agree and tests can use a fake
-clock. Quotas come from the caller on every call, so a changed quota applies at the next request.
+Each admit and settle is one Lua script (`tenancy.limits_lua`; atomic: it checks every scope and only then consumes
+in all of them). Time is the caller's clock, passed in ARGV (never Redis TIME), so gateways on synced hosts agree and
+tests can use a fake clock. Quotas come from the caller on every call, so a changed quota applies at the next request.
 
 Key layout (P = key_prefix, S = scope name such as 'tenant:ten_ab12'):
 - `P bucket:S`          hash {rl, ru, tl, tu}: requests/tokens bucket level and last update; expires a minute
@@ -34,9 +34,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tenancy.limiter import (
-    UNAVAILABLE_RETRY_S, WINDOW_S, BudgetUsed, Decision, RateLimitInfo, Scope, _Bucket, _has_budget, _info,
-    budget_denial, concurrency_denial, period_end, period_start, precheck, rate_denial)
+from tenancy import limits_lua
+from tenancy.limits import BudgetUsed, Decision, RateLimitInfo, Scope
+from tenancy.limits_spec import (
+    UNAVAILABLE_RETRY_S, budget_denial, budget_ends, concurrency_denial, period_start, precheck, rate_denial,
+    rate_limit_info, refill)
 
 log = logging.getLogger("kvgate.tenancy.redis_limiter")
 
@@ -44,145 +46,6 @@ _BUDGET_MARGIN_S = 3600  # a budget counter outlives its period by this much (la
 _IDLE_MARGIN_S = 60  # buckets and slot sets outlive the moment they stop mattering by this much (clock skew)
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ReadOnlyError,
                 OSError)
-
-_LUA_COMMON = """
-local WINDOW = 60
-local function num(s) if s == '' then return nil end return tonumber(s) end
-local function fmt(x) return string.format('%.17g', x) end
-local function refill(level, updated, cap, now)
-  if level == nil then return cap end  -- a missing bucket is a full one
-  return math.min(cap, level + math.max(0, now - updated) * cap / WINDOW)
-end
-local function keep_for(key, ttl)  -- extend a key's expiry, never shorten it
-  if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl) end
-end
-"""
-
-# KEYS: per scope i: bucket (3i-2), budget (3i-1), inflight (3i).
-# ARGV: now, cost, request_id, lease_s, idle_margin_s, n, then per scope 6 values ('' = unlimited / none):
-#   rpm, tpm, max_concurrent, token_budget, budget_ttl_s, seed.
-# Returns {'seed', i...} (budget counters missing and not seeded: ask the ledger and call again), or
-# {'budget', i, levels...}, {'rate', requests_wait, tokens_wait, levels...}, {'concurrency', i, count, levels...},
-# {'ok', levels...}; levels are 2 strings per scope (requests, tokens; '' where unlimited), waits '' where not short.
-# The checks mirror tenancy.limiter._check line by line.
-_ADMIT_LUA = _LUA_COMMON + """
-local now = tonumber(ARGV[1])
-local cost = tonumber(ARGV[2])
-local rid = ARGV[3]
-local lease = tonumber(ARGV[4])
-local margin = tonumber(ARGV[5])
-local n = tonumber(ARGV[6])
-local EPS = 1e-6
-local q = {}
-local missing = {}
-for i = 1, n do
-  local b = 6 + (i - 1) * 6
-  local s = {rpm = num(ARGV[b + 1]), tpm = num(ARGV[b + 2]), maxc = num(ARGV[b + 3]), budget = num(ARGV[b + 4]),
-             budget_ttl = ARGV[b + 5], seed = ARGV[b + 6]}
-  q[i] = s
-  if s.budget then
-    local used = redis.call('GET', KEYS[3 * i - 1])
-    if used then
-      s.used = tonumber(used)
-    elseif s.seed ~= '' then
-      redis.call('SET', KEYS[3 * i - 1], s.seed, 'NX', 'EX', s.budget_ttl)
-      s.used = tonumber(redis.call('GET', KEYS[3 * i - 1]))
-    else
-      missing[#missing + 1] = i
-    end
-  end
-end
-if #missing > 0 then
-  return {'seed', unpack(missing)}
-end
-for i = 1, n do
-  local s = q[i]
-  local h = redis.call('HMGET', KEYS[3 * i - 2], 'rl', 'ru', 'tl', 'tu')
-  if s.rpm then s.rl = refill(tonumber(h[1]), tonumber(h[2]), s.rpm, now) end
-  if s.tpm then s.tl = refill(tonumber(h[3]), tonumber(h[4]), s.tpm, now) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[3 * i], '-inf', ARGV[1])
-  s.count = redis.call('ZCARD', KEYS[3 * i])
-end
-local function with_levels(out)
-  for i = 1, n do
-    out[#out + 1] = q[i].rl and fmt(q[i].rl) or ''
-    out[#out + 1] = q[i].tl and fmt(q[i].tl) or ''
-  end
-  return out
-end
-local req_wait, tok_wait, conc = nil, nil, nil
-for i = 1, n do
-  local s = q[i]
-  if s.budget and s.used + cost > s.budget then
-    return with_levels({'budget', i})
-  end
-  if s.rpm and s.rl + EPS < 1 then
-    req_wait = math.max(req_wait or 0, math.max(0, (1 - s.rl) * WINDOW / s.rpm))
-  end
-  if s.tpm and s.tl + EPS < cost then
-    tok_wait = math.max(tok_wait or 0, math.max(0, (cost - s.tl) * WINDOW / s.tpm))
-  end
-  if s.maxc and s.count >= s.maxc then conc = i end
-end
-if req_wait or tok_wait then
-  return with_levels({'rate', req_wait and fmt(req_wait) or '', tok_wait and fmt(tok_wait) or ''})
-end
-if conc then
-  return with_levels({'concurrency', conc, q[conc].count})
-end
-for i = 1, n do
-  local s = q[i]
-  local fields = {}
-  local full_in = 0
-  if s.rpm then
-    s.rl = s.rl - 1
-    fields[#fields + 1] = 'rl'; fields[#fields + 1] = fmt(s.rl)
-    fields[#fields + 1] = 'ru'; fields[#fields + 1] = ARGV[1]
-    full_in = math.max(full_in, (s.rpm - s.rl) * WINDOW / s.rpm)
-  end
-  if s.tpm then
-    s.tl = s.tl - cost
-    fields[#fields + 1] = 'tl'; fields[#fields + 1] = fmt(s.tl)
-    fields[#fields + 1] = 'tu'; fields[#fields + 1] = ARGV[1]
-    full_in = math.max(full_in, (s.tpm - s.tl) * WINDOW / s.tpm)
-  end
-  if #fields > 0 then
-    redis.call('HSET', KEYS[3 * i - 2], unpack(fields))
-    keep_for(KEYS[3 * i - 2], math.ceil(full_in) + margin)
-  end
-  if s.budget then redis.call('INCRBY', KEYS[3 * i - 1], cost) end
-  redis.call('ZADD', KEYS[3 * i], fmt(now + lease), rid)
-  keep_for(KEYS[3 * i], math.ceil(lease) + margin)
-end
-return with_levels({'ok'})
-"""
-
-# KEYS: per scope i: bucket (3i-2), budget (3i-1), inflight (3i).
-# ARGV: now, delta (reserved - used), request_id, idle_margin_s, n, then per scope: tpm ('' = none),
-#   refund_budget ('1' when the reservation's budget period is still the current one).
-_SETTLE_LUA = _LUA_COMMON + """
-local now = tonumber(ARGV[1])
-local delta = tonumber(ARGV[2])
-local margin = tonumber(ARGV[4])
-local n = tonumber(ARGV[5])
-for i = 1, n do
-  local tpm = num(ARGV[5 + 2 * i - 1])
-  if tpm then
-    local h = redis.call('HMGET', KEYS[3 * i - 2], 'tl', 'tu')
-    local tl = math.min(tpm, refill(tonumber(h[1]), tonumber(h[2]), tpm, now) + delta)
-    redis.call('HSET', KEYS[3 * i - 2], 'tl', fmt(tl), 'tu', ARGV[1])
-    keep_for(KEYS[3 * i - 2], math.ceil((tpm - tl) * WINDOW / tpm) + margin)
-  end
-  if ARGV[5 + 2 * i] == '1' then
-    local used = redis.call('GET', KEYS[3 * i - 1])
-    if used then  -- a vanished counter is reseeded from the ledger, which this request will be part of
-      redis.call('SET', KEYS[3 * i - 1], math.max(0, tonumber(used) - delta), 'KEEPTTL')
-    end
-  end
-  redis.call('ZREM', KEYS[3 * i], ARGV[3])
-end
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -222,8 +85,8 @@ class RedisLimiter:
         self._fail_open = fail_open
         self._prefix = key_prefix
         self._lease_s = lease_s
-        self._admit_script = self._client.register_script(_ADMIT_LUA)
-        self._settle_script = self._client.register_script(_SETTLE_LUA)
+        self._admit_script = self._client.register_script(limits_lua.ADMIT)
+        self._settle_script = self._client.register_script(limits_lua.SETTLE)
         self._lock = threading.Lock()  # guards the fields below
         self._reservations: dict[str, _Reservation] = {}
         self._pending: set[str] = set()  # ids between the duplicate check and the end of their admit script
@@ -249,7 +112,7 @@ class RedisLimiter:
                     return decision
             if self._fail_open:
                 with self._lock:
-                    self._reservations[request_id] = _Reservation(tuple(scopes), 0, _budget_ends(scopes, now))
+                    self._reservations[request_id] = _Reservation(tuple(scopes), 0, budget_ends(scopes, now))
                 return Decision(True)
             return Decision(False, "unavailable", retry_after=UNAVAILABLE_RETRY_S,
                             message="the rate limiter is unavailable; retry shortly")
@@ -258,7 +121,7 @@ class RedisLimiter:
                 self._pending.discard(request_id)
 
     def _admit_remote(self, request_id: str, scopes: Sequence[Scope], cost: int, now: float) -> Decision:
-        ends = _budget_ends(scopes, now)
+        ends = budget_ends(scopes, now)
         keys = [k for s in scopes for k in self._keys(s, ends[s.name])]
         seeds = {s.name: 0 for s in scopes} if self._budget_used is None else {}
         for _attempt in range(2):
@@ -288,7 +151,7 @@ class RedisLimiter:
         kind = reply[0]
         body = {"ok": 1, "budget": 2, "rate": 3, "concurrency": 3}[kind]
         levels = [(_num(reply[body + 2 * i]), _num(reply[body + 2 * i + 1])) for i in range(len(scopes))]
-        info = _info(scopes, levels)
+        info = rate_limit_info(scopes, levels)
         if kind == "budget":
             scope = scopes[int(reply[1]) - 1]
             end = ends[scope.name]
@@ -311,7 +174,7 @@ class RedisLimiter:
         if reservation is None:
             return False
         now = self._clock()
-        current = _budget_ends(reservation.scopes, now)
+        current = budget_ends(reservation.scopes, now)
         keys: list[str] = []
         argv: list[str | int | float] = [repr(now), reservation.tokens - used_tokens, request_id, _IDLE_MARGIN_S,
                                          len(reservation.scopes)]
@@ -348,7 +211,7 @@ class RedisLimiter:
             values = [_num(_text(v)) if v is not None else None for v in row]
             levels.append((_peek_level(values[0], values[1], s.quota.rpm, now),
                            _peek_level(values[2], values[3], s.quota.tpm, now)))
-        return _info(scopes, levels)
+        return rate_limit_info(scopes, levels)
 
     def renew(self) -> None:
         """Push the lease expiry of this process's in-flight reservations to now + lease_s (call every lease_s / 3
@@ -408,17 +271,12 @@ class RedisLimiter:
             log.warning("redis reachable again; limits enforced")
 
 
-def _budget_ends(scopes: Sequence[Scope], now: float) -> dict[str, float | None]:
-    return {s.name: period_end(now, s.quota.budget_period)
-            if _has_budget(s) and s.quota.budget_period is not None else None for s in scopes}
-
-
 def _peek_level(level: float | None, updated: float | None, capacity: int | None, now: float) -> float | None:
     if capacity is None:
         return None
-    bucket = _Bucket(float(capacity), now) if level is None or updated is None else _Bucket(level, updated)
-    bucket.refill(now, capacity)
-    return bucket.level
+    if level is None or updated is None:
+        return float(capacity)  # a missing bucket is a full one
+    return refill(level, updated, capacity, now)
 
 
 def _opt(value: int | None) -> str | int:
