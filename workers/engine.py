@@ -143,6 +143,25 @@ def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) 
                      max_model_len)
 
 
+def resolve_max_model_len(llama_cfg: LlamaConfig, requested: int | None) -> int:
+    """The context limit before the KV cache caps it: the requested one, else the model's own. A model with a
+    sliding window (Mistral 7B v0.1) is capped at it: sliding-window attention is not implemented, and a context
+    that fits the window sees exactly what full attention sees, so within it the output is the model's own."""
+    max_len = requested or llama_cfg.max_position_embeddings
+    if max_len > llama_cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's {llama_cfg.max_position_embeddings}")
+    window = llama_cfg.sliding_window
+    if window is None or max_len <= window:
+        return max_len
+    if requested is not None:
+        raise ValueError(f"max_model_len {requested} exceeds the model's sliding_window {window}; sliding-window "
+                         f"attention is not implemented, so the context is limited to the window: use "
+                         f"--max-model-len {window} or less")
+    log.info("max_model_len capped at the model's sliding_window %d (sliding-window attention is not "
+             "implemented; within the window it equals full attention)", window)
+    return window
+
+
 def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | None,
                 cfg: EngineConfig, gguf: Path | None = None) -> tuple[LlamaForCausalLM, int]:
     """The model with ``cfg.model.quantization`` applied (``gguf``: the source file, whose own quantized
@@ -151,9 +170,7 @@ def build_model(llama_cfg: LlamaConfig, state_dict: dict[str, torch.Tensor] | No
 
     if cfg.model.num_threads:
         torch.set_num_threads(cfg.model.num_threads)
-    max_len = cfg.model.max_model_len or llama_cfg.max_position_embeddings
-    if max_len > llama_cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_len} exceeds the model's {llama_cfg.max_position_embeddings}")
+    max_len = resolve_max_model_len(llama_cfg, cfg.model.max_model_len)
     model = _build(llama_cfg, state_dict, max_len, _DTYPES[cfg.model.dtype], torch.device(cfg.model.device))
     log.info("linear layers: %s", apply_quantization(model, cfg.model, gguf))
     return model, max_len
