@@ -5,9 +5,7 @@ Each `RedisServer` is a `redis-server` child process on 127.0.0.1 and a free por
 `stop()` kills it (clients then get connection refused, as with a dead Redis); `start()` again brings it back on the
 same port, empty; `pause()` / `resume()` SIGSTOP / SIGCONT it (clients then time out, as with a hung Redis).
 
-Use from a test module (pytest finds fixtures imported into the module's namespace):
-
-    from tests.redis_support import RedisServer, redis_server, redis_url  # noqa: F401  (fixtures)
+The fixtures are registered for every test module by tests/conftest.py; a test just names them:
 
     def test_two_gateways(redis_url: str) -> None:   # module-scoped server, flushed before every test
         ...

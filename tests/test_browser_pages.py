@@ -14,9 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_browser_support import (BrowserPage, Origins, browser, open_page, origins, page,  # noqa: F401
-                                        shots, web_server, worker_busy)
-from tests.test_gateway_support import ADMIN_TOKEN, Server, tiny_model_dir  # noqa: F401
+from tests.test_browser_support import BrowserPage, Origins, worker_busy
+from tests.test_gateway_support import ADMIN_TOKEN, Server
 
 pytestmark = pytest.mark.timeout(180)
 

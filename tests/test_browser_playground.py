@@ -20,9 +20,8 @@ import pytest
 
 from tenancy.models import Quota
 from tests.tenancy_support import make_tenant
-from tests.test_browser_support import (BrowserPage, browser, open_page, origins, page,  # noqa: F401
-                                        seconds_until_idle, shots, web_server)
-from tests.test_gateway_support import Server, metric_sum, tiny_model_dir  # noqa: F401
+from tests.test_browser_support import BrowserPage, seconds_until_idle
+from tests.test_gateway_support import Server, metric_sum
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,9 +5,8 @@ Playwright's own browser builds are never downloaded: ``executable_path`` points
 Makefile installs Debian's ``chromium`` for ``make test``). Without Chromium or Playwright the tests skip, except
 where the environment sets KVGATE_REQUIRE_BROWSER=1 (CI does, in .ci/run): there they fail.
 
-    from tests.test_browser_support import (BrowserPage, browser, origins, page, shots,  # noqa: F401
-                                            web_server)
-    from tests.test_gateway_support import tiny_model_dir  # noqa: F401
+The fixtures (``browser``, ``origins``, ``page``, ``shots``, ``web_server``, ``open_page``) are registered for every
+test module by tests/conftest.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import trio
 
-from tests.test_gateway_support import MODEL, Server, server, tiny_model_dir  # noqa: F401  (fixtures)
+from tests.test_gateway_support import MODEL, Server
 
 CLIENTS = 640
 

@@ -19,8 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_gateway_support import (MODEL, Server, alive, start_server, tiny_model_dir,  # noqa: F401
-                                        wait_idle)
+from tests.test_gateway_support import MODEL, Server, alive, start_server, wait_idle
 
 pytestmark = pytest.mark.timeout(180)
 

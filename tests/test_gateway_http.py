@@ -18,8 +18,7 @@ import openai
 import pytest
 import trio
 
-from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, Server, metrics,  # noqa: F401
-                                        start_server, tiny_model_dir, wait_idle)
+from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, start_server, wait_idle
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,7 +38,7 @@ def offline(tiny_model_dir):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The shared server, pinned to fp32 linears: greedy output is compared with the fp32 offline engine."""
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log", "--quantization", "none")
     yield srv

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_gateway_support import MODEL, Server, server, tiny_model_dir  # noqa: F401  (fixtures)
+from tests.test_gateway_support import MODEL, Server
 
 BODY = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.tenancy_support import kvgatectl, make_tenant
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenancy.models import Quota
 from tests.tenancy_support import make_tenant
 
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,7 @@ import pytest
 
 from tenancy.models import Quota
 from tests.tenancy_support import ids_prompt, kvgatectl, make_tenant, run_concurrently, store_of
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from tenancy.models import Quota
-from tests.redis_support import RedisServer, redis_server, redis_url  # noqa: F401
+from tests.redis_support import RedisServer
 from tests.tenancy_support import ids_prompt, make_tenant, run_concurrently, store_of
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -28,7 +28,7 @@ from gateway.telemetry.tracing import RequestTrace
 from ipc.messages import EngineTimings
 from tenancy.models import UsageRow
 from tenancy.store import open_store
-from tests.test_gateway_support import ADMIN_TOKEN, MAX_MODEL_LEN, MODEL, free_port, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import ADMIN_TOKEN, MAX_MODEL_LEN, MODEL, free_port
 
 pytestmark = pytest.mark.timeout(180)
 CANARY = "okapi-canary-41d2"
@@ -237,7 +237,7 @@ def test_generate_carries_the_queue_spans_trace_context(tracer_and_spans: tuple[
     assert carrier["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
 
 
-def test_otlp_endpoint_receives_the_spans(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_otlp_endpoint_receives_the_spans(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``--otlp-endpoint``: a real ``kvgate serve`` exports over OTLP/HTTP (protobuf) to a local collector;
     the batch is flushed at the latest when the gateway stops."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

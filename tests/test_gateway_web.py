@@ -20,7 +20,7 @@ from gateway.cli import add_serve_parser, config_from_args
 from gateway.config import GatewayConfig
 from gateway.api.web import CSP, PAGES, STATIC_DIR, _split_fields
 from tenancy.top import compute_view, parse_exposition
-from tests.test_gateway_support import ADMIN_TOKEN, Server, server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import Server
 
 pytestmark = pytest.mark.timeout(120)
 
