@@ -151,3 +151,16 @@ def test_both_backends_decide_alike(client: redis.Redis, tenant: tuple[Quota, Qu
                     admitted.append(f"r{n}")
         for name in quotas:
             assert memory.in_flight(name) == shared.in_flight(name)
+
+
+def test_no_private_imports_between_tenancy_modules() -> None:
+    """The backends share the specification's public names only: no `from tenancy.x import _name`."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted((Path(__file__).parent.parent / "tenancy").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tenancy"):
+                offenders += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert offenders == []

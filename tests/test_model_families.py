@@ -35,7 +35,8 @@ def _qwen2(tied: bool) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(11 if tied else 12)
-    model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=tied, rms_norm_eps=1e-6, **_SIZES)).eval()
+    model: Any = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=tied, rms_norm_eps=1e-6, **_SIZES))
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -49,7 +50,8 @@ def _mistral(window: int | None = WINDOW) -> Any:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(13)
-    return MistralForCausalLM(MistralConfig(sliding_window=window, tie_word_embeddings=False, **_SIZES)).eval()
+    model: Any = MistralForCausalLM(MistralConfig(sliding_window=window, tie_word_embeddings=False, **_SIZES))
+    return model.eval()
 
 
 def _engine(hf: Any, directory: Path, max_model_len: int | None = None) -> LLMEngine:
