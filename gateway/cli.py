@@ -21,6 +21,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--model", default="smollm2", help="alias, .gguf file or safetensors directory")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
     p.add_argument("--workers", type=int, default=1, help="local worker processes (0: only external workers)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop admitting (503, /ready false) and give in-flight requests this "
+                        "many seconds to finish before exiting (default 30)")
     p.add_argument("--zmq-bind", default="tcp://127.0.0.1:0",
                    help="ROUTER address workers connect to; a fixed port lets workers started by hand join")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
@@ -79,6 +82,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
         zmq_bind=a.zmq_bind, max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin),
+        drain_timeout=a.drain_timeout,
         tenancy=TenancyConfig(db_path=a.db, admin_token=a.admin_token, redis_url=a.redis_url,
                               redis_fail_open=a.redis_fail_open,
                               auth_failures_per_minute=a.auth_failures_per_minute,

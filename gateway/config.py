@@ -128,6 +128,7 @@ class GatewayConfig:
     zmq_bind: str = "tcp://127.0.0.1:0"
     max_body_bytes: int = 4 * 1024 * 1024
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); empty: CORS off
+    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may take to finish before the gateway ends
     engine: EngineArgs = field(default_factory=EngineArgs)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
@@ -139,6 +140,8 @@ class GatewayConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if not 0 <= self.drain_timeout <= 3600:
+            raise ValueError(f"--drain-timeout must be in [0, 3600] seconds, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         for origin in self.cors_origins:

@@ -1,8 +1,9 @@
 """Run a whole gateway: the worker pool on its ROUTER, the local worker supervisor, and Hypercorn (trio).
 
 Lifecycle as nested nurseries: the outer one holds the pool and the supervisor, the inner one the HTTP
-server. SIGINT/SIGTERM stops the HTTP server (Hypercorn gives in-flight responses ``graceful_timeout``),
-then the workers are told to shut down and the outer nursery is cancelled, which terminates (then kills)
+server. SIGINT/SIGTERM first drains (new API requests get 503 with retry-after, /ready turns false, requests in
+flight get up to ``--drain-timeout`` to finish), then stops the HTTP server (Hypercorn gives the last responses
+``graceful_timeout`` to flush), then the workers are told to shut down and the outer nursery is cancelled, which terminates (then kills)
 every local worker. Nothing outlives ``serve``.
 """
 
@@ -56,12 +57,27 @@ def _hypercorn_config(cfg: GatewayConfig) -> HyperConfig:
     return hc
 
 
-async def _wait_for_signal(stop: trio.Event) -> None:
+async def _wait_for_signal(stop: trio.Event, state: GatewayState) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("received %s: shutting down", signal.Signals(signum).name)
+            log.info("received %s: draining", signal.Signals(signum).name)
+            await _drain(state)
             stop.set()
             return
+
+
+async def _drain(state: GatewayState) -> None:
+    """Stop admitting (503 on /v1, /ready false) and wait, up to --drain-timeout, for the requests the workers
+    hold to finish; Hypercorn's graceful timeout then flushes their last bytes. Streams still running at the
+    deadline are cut when the server stops."""
+    state.draining = True
+    timeout = state.config.drain_timeout
+    with trio.move_on_after(timeout) as waited:
+        while state.pool.num_inflight:
+            await trio.sleep(0.05)
+    left = state.pool.num_inflight
+    log.info("drained" if not waited.cancelled_caught else "drain timeout: stopping with requests in flight",
+             extra={"fields": {"event": "drain_done", "in_flight": left, "drain_timeout_s": timeout}})
 
 
 def _announce(cfg: GatewayConfig, binds: list[str], zmq_addr: str) -> None:
@@ -131,11 +147,12 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                                         log_format=cfg.observability.log_format)
                 pool.kill_local = supervisor.kill  # a frozen or hung local worker is killed and restarted
                 await outer.start(supervisor.run)
-            app = create_app(GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing))
+            state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
+            app = create_app(state)
             stop = trio.Event()
             async with trio.open_nursery() as http:
                 if handle_signals:
-                    http.start_soon(_wait_for_signal, stop)
+                    http.start_soon(_wait_for_signal, stop, state)
 
                 async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
                     await hypercorn.trio.serve(app, _hypercorn_config(cfg), shutdown_trigger=stop.wait,

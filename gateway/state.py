@@ -36,3 +36,4 @@ class GatewayState:
     metrics: GatewayMetrics
     tracing: Tracing = field(default_factory=Tracing)  # no exporter: OTel's no-op tracer
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: new API requests get 503 and /ready is false; in-flight ones finish

@@ -35,6 +35,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     app.register_blueprint(create_admin_blueprint(state.tenancy.store, cfg.tenancy.admin_token,
                                                   state.tenancy.auth.invalidate))
     app.add_url_rule("/openapi.json", "openapi", openapi.route(cfg.model_name), methods=["GET"])  # fuzzers, SDKs
+    app.before_request(hooks.refuse_while_draining)
     app.before_request(read_body_first)  # a keep-alive connection must not wedge on an unread body
     app.after_request(close_if_body_unread)
     app.register_blueprint(create_web_blueprint(state))  # pages, security headers, CORS, /admin/workers

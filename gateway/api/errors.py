@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 # OpenAI's error "type" per status class; clients (the SDKs) key on status, humans on type/code.
+DRAIN_RETRY_AFTER_S = 1.0  # a draining gateway's 503: retry at once, the load balancer sends it elsewhere
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}

@@ -10,7 +10,7 @@ from werkzeug.exceptions import HTTPException
 
 from gateway.api.auth import Principal
 from gateway.api.context import app_state
-from gateway.api.errors import APIError, error_body
+from gateway.api.errors import DRAIN_RETRY_AFTER_S, APIError, error_body
 from gateway.api.generation_routes import GENERATION_ROUTES
 from gateway.api.http_json import json_response
 
@@ -34,6 +34,14 @@ async def add_ratelimit_headers(response: Response) -> Response:
             "tenant_id": principal.tenant_id if principal else None,
             "key_id": principal.key_id if principal else None}})
     return response
+
+
+async def refuse_while_draining() -> None:
+    """A draining gateway admits nothing new on the API (503 + retry-after: another gateway will take it); pages,
+    health, metrics and admin still answer."""
+    if app_state().draining and request.path.startswith("/v1/"):
+        raise APIError(503, "the gateway is shutting down: retry (another gateway will answer)", code="draining",
+                       retry_after=DRAIN_RETRY_AFTER_S)
 
 
 def _api_error_response(e: APIError) -> Response:

@@ -9,7 +9,7 @@ from quart_trio import QuartTrio
 
 from gateway.api.admin import op_error
 from gateway.api.context import app_state, authorize
-from gateway.api.errors import APIError, bad_request
+from gateway.api.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request
 from gateway.api.http_json import json_response
 from gateway.api.openapi import VERSION
 from gateway.telemetry import metrics
@@ -30,7 +30,10 @@ async def health() -> Response:
 
 
 async def ready() -> Response:
-    pool = app_state().pool
+    state = app_state()
+    pool = state.pool
+    if state.draining:  # load balancers take this gateway out of rotation while its streams finish
+        raise APIError(503, "the gateway is draining", code="draining", retry_after=DRAIN_RETRY_AFTER_S)
     if not pool.ready:
         raise APIError(503, "no worker is ready", code="not_ready", retry_after=pool.retry_after())
     return json_response({"status": "ready", "workers": sorted(pool.workers)})
