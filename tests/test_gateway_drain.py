@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.tenancy_support import ids_prompt
-from tests.test_gateway_support import MODEL, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, start_server
 
 pytestmark = pytest.mark.timeout(240)
 

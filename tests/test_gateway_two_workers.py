@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.tenancy_support import ids_prompt, run_concurrently
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(300)
 

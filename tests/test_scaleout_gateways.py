@@ -13,10 +13,8 @@ import httpx
 import pytest
 
 from tenancy.models import Quota
-from tests.postgres_support import postgres_cluster, postgres_url  # noqa: F401  (fixtures)
-from tests.redis_support import redis_server, redis_url  # noqa: F401  (fixtures)
 from tests.tenancy_support import Outcome, ids_prompt, make_tenant, run_concurrently, store_of
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(300)
 

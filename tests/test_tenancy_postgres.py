@@ -19,7 +19,6 @@ from tenancy.db_backend import is_url, redact
 from tenancy.models import Quota, UsageRow
 from tenancy.server_secret import ServerSecret
 from tenancy.store import TenancyStore, open_store
-from tests.postgres_support import postgres_cluster, postgres_url  # noqa: F401  (fixtures)
 
 PEPPER = b"test-pepper"
 SECRET = "s" * 32

@@ -23,7 +23,6 @@ from tenancy import schema
 from tenancy.keys import mask_key
 from tenancy.models import Quota, UsageRow
 from tenancy.store import TenancyStore
-from tests.postgres_support import postgres_cluster, postgres_url  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 PEPPER = b"test-pepper"
