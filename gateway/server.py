@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway.server")
 
 GRACEFUL_TIMEOUT_S = 5.0
+CUT_GRACE_S = 0.2  # after a drain timed out: just long enough to send what is already written
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn (4096 on current Linux)
 
 
@@ -57,19 +58,22 @@ def _hypercorn_config(cfg: GatewayConfig) -> HyperConfig:
     return hc
 
 
-async def _wait_for_signal(stop: trio.Event, state: GatewayState) -> None:
+async def _wait_for_signal(stop: trio.Event, state: GatewayState, hc: HyperConfig) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("received %s: draining", signal.Signals(signum).name)
-            await _drain(state)
+            if not await _drain(state):
+                # Past the drain timeout: Hypercorn reads its grace at shutdown, so the streams still running are
+                # cut now instead of getting another GRACEFUL_TIMEOUT_S.
+                hc.graceful_timeout = CUT_GRACE_S
             stop.set()
             return
 
 
-async def _drain(state: GatewayState) -> None:
+async def _drain(state: GatewayState) -> bool:
     """Stop admitting (503 on /v1, /ready false) and wait, up to --drain-timeout, for the requests the workers
     hold to finish; Hypercorn's graceful timeout then flushes their last bytes. Streams still running at the
-    deadline are cut when the server stops."""
+    deadline are cut when the server stops. True when nothing was left in flight."""
     state.draining = True
     timeout = state.config.drain_timeout
     with trio.move_on_after(timeout) as waited:
@@ -78,6 +82,7 @@ async def _drain(state: GatewayState) -> None:
     left = state.pool.num_inflight
     log.info("drained" if not waited.cancelled_caught else "drain timeout: stopping with requests in flight",
              extra={"fields": {"event": "drain_done", "in_flight": left, "drain_timeout_s": timeout}})
+    return not waited.cancelled_caught
 
 
 def _announce(cfg: GatewayConfig, binds: list[str], zmq_addr: str) -> None:
@@ -150,12 +155,13 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
             app = create_app(state)
             stop = trio.Event()
+            hc = _hypercorn_config(cfg)
             async with trio.open_nursery() as http:
                 if handle_signals:
-                    http.start_soon(_wait_for_signal, stop, state)
+                    http.start_soon(_wait_for_signal, stop, state, hc)
 
                 async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
-                    await hypercorn.trio.serve(app, _hypercorn_config(cfg), shutdown_trigger=stop.wait,
+                    await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait,
                                                task_status=task_status)
                     http.cancel_scope.cancel()  # Hypercorn is done: stop waiting for signals
 
