@@ -114,8 +114,17 @@ def test_unsupported_specs_are_refused_at_add_request(engine: LLMEngine, spec: s
 def test_compile_cache_is_keyed_by_canonical_json(engine: LLMEngine) -> None:
     outputs = engine.structured  # type: ignore[attr-defined]
     a = outputs.compiled(json.dumps({"type": "json_schema", "schema": {"type": "object", "required": []}}))
-    b = outputs.compiled('{"schema":{"required":[],"type":"object"},  "type":"json_schema"}')
+    b = outputs.compiled('{"schema":{"type":"object","required":[]},  "type":"json_schema"}')
     assert a is b
+    # nested order is meaning (properties are generated in schema order), so it is part of the key
+    assert outputs.compiled('{"type":"json_schema","schema":{"required":[],"type":"object"}}') is not a
+
+
+def test_properties_come_in_schema_order(engine: LLMEngine, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"z": {"type": "boolean"}, "a": {"type": "boolean"}},
+              "required": ["z", "a"], "additionalProperties": False}
+    for ids in _generate(engine, _spec("json_schema", schema=schema), 4):
+        assert list(json.loads(_text(tokenizer, ids))) == ["z", "a"]
 
 
 def test_a_compile_past_the_time_bound_is_refused(tokenizer: Any) -> None:

@@ -54,8 +54,10 @@ def _spec(text: str) -> dict[str, Any]:
 
 
 def canonical(text: str) -> str:
-    """The cache key: equal specs written differently share one compiled grammar."""
-    return json.dumps(_spec(text), sort_keys=True, separators=(",", ":"))
+    """The cache key: equal specs written differently (whitespace, top-level key order) share one compiled
+    grammar. Nested key order is kept: a schema's property order is the order the output is generated in."""
+    spec = _spec(text)
+    return json.dumps({k: spec[k] for k in sorted(spec)}, separators=(",", ":"))
 
 
 def grammar_for(spec_text: str) -> str:
@@ -87,6 +89,14 @@ def grammar_for(spec_text: str) -> str:
         if isinstance(e, StructuredError):
             raise
         raise StructuredError(f"unsupported {kind}: {e}") from None
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, ceil(V/32)) int32 words, bit j of word w = token 32*w + j allowed -> (R, V) bool. Plain tensor ops:
+    llguidance.torch's apply is a torch.compile kernel, whose first call compiles for seconds in the worker."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit still lands in bit 0
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 class StructuredOutputs:
@@ -162,10 +172,9 @@ class StructuredOutputs:
         for j, (_, m) in enumerate(rows):
             lt.fill_next_token_bitmask(m, bitmask, j)
         index = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
-        sub = logits.index_select(0, index).float()
-        lt.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
         out = logits.clone()  # never write into the caller's tensor
-        out.index_copy_(0, index, sub.to(out.dtype))
+        allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+        out[index] = out[index].masked_fill(~allowed, float("-inf"))
         return out
 
     def advance(self, reqs: list[Request], tokens: list[SampledToken]) -> None:
