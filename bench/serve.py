@@ -93,8 +93,9 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
 # ---- HTTP backend -------------------------------------------------------------------------------
 
 async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max_tokens: int) -> Result:
+    # min_tokens as well as ignore_eos: servers without ignore_eos (llama-cpp-python's) honour min_tokens.
     body: dict[str, Any] = {"model": a.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                            "stream": True, "stream_options": {"include_usage": True}}
+                            "min_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     if a.chat:
         body["messages"] = [{"role": "user", "content": chat_text(prompt)}]
     else:
@@ -128,6 +129,8 @@ async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max
                     last = now
         res.e2e = time.perf_counter() - t0
         res.ok = res.ttft > 0
+        if res.ok and res.output_tokens == 0:  # no usage chunk (llama-cpp-python): one token per chunk
+            res.output_tokens = len(res.itl) + 1
     except Exception as e:  # a benchmark reports failures, it does not stop on them
         res.error = type(e).__name__
     return res
