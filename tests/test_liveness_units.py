@@ -18,13 +18,14 @@ from gateway.pipeline.streaming import DONE, StreamProducer
 from gateway.fleet.worker_link import coalesce, open_outbox, run_sender
 from ipc.codec import decode
 from ipc.messages import PROTOCOL_VERSION, Abort, Generate, Hello, RequestOutputMsg, Stats
+from ipc.sampling import SamplingParams
 from ipc.transport import gateway_router, worker_dealer
 from workers import step_sizing
 from workers.worker_io import WorkerIO
 
 
 def _gen(rid: str) -> Generate:
-    return Generate(rid, [1, 2, 3], {}, None, 1.0, None, None)
+    return Generate(rid, [1, 2, 3], SamplingParams(), None, 1.0, None, None)
 
 
 def test_coalesce_keeps_generates_in_order_and_sends_aborts_last_once() -> None:
@@ -55,7 +56,7 @@ async def test_a_worker_that_stops_reading_stalls_only_its_own_sender() -> None:
             # trickling through as the kernel grows its windows, which is a slow pipe, not a stuck one).
             big = list(range(100_000, 1_100_000))
             for i in range(20):
-                stuck_tx.send_nowait(Generate(f"s{i}", big, {}, None, 1.0, None, None))
+                stuck_tx.send_nowait(Generate(f"s{i}", big, SamplingParams(), None, 1.0, None, None))
             await trio.sleep(0.2)
             live_tx.send_nowait(_gen("l0"))
             with trio.fail_after(1.0):  # arrives while the stuck sender still retries
