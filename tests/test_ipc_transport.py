@@ -31,6 +31,7 @@ from ipc.messages import (
     Stats,
     StepOutputs,
 )
+from ipc.sampling import SamplingParams
 from ipc.transport import (
     PeerUnreachable,
     TrioZmqSocket,
@@ -54,7 +55,7 @@ def hello(worker_id: str = WORKER) -> Hello:
 
 
 def generate(i: int) -> Generate:
-    return Generate(f"req-{i}", [1, 2, i], {"temperature": 0.0, "max_tokens": 4}, None, 1.0, None, None)
+    return Generate(f"req-{i}", [1, 2, i], SamplingParams(temperature=0.0, max_tokens=4), None, 1.0, None, None)
 
 
 def step(i: int) -> StepOutputs:
@@ -401,7 +402,7 @@ def test_worker_send_times_out_when_hwm_is_full(ctx: zmq.Context[Any]) -> None:
     router.setsockopt(zmq.RCVHWM, 1)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = worker_dealer(ctx, f"tcp://127.0.0.1:{port}", WORKER, sndhwm=1)
-    big = Generate("r", list(range(100_000)), {}, None, 1.0, None, None)  # fills the TCP buffers quickly
+    big = Generate("r", list(range(100_000)), SamplingParams(), None, 1.0, None, None)  # fills the TCP buffers quickly
     try:
         with pytest.raises(TimeoutError):
             for _ in range(1000):
