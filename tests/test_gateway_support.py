@@ -24,7 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096
-STARTUP_TIMEOUT_S = 90.0
+# Generous: a slow CPU (Zen 1, 2 cores) under a loaded test run; the kernels are prebuilt by make setup.
+STARTUP_TIMEOUT_S = 240.0
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from common.model_files import write_source
 from workers.config import ModelConfig
 from workers.model_files import resolve  # noqa: F401  (re-exported for callers)
 from workers.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
@@ -39,6 +40,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     save_file(sd, str(tmp / "model.safetensors"))
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
+    write_source(tmp, gguf)
     try:
         os.replace(tmp, out)
     except OSError:  # another process finished the same conversion first: keep theirs
