@@ -1,4 +1,4 @@
-"""The CUDA kernels' index mapping, emulated in NumPy (kernels_cupy/emulate.py), against the torch reference.
+"""The CUDA kernels' index mapping, emulated in NumPy (tests/kernel_emulate.py), against the torch reference.
 
 The emulation walks the same grid, warps, lanes, tiles, shuffles and online-softmax recurrences as the .cu
 files, and runs the same launch plans (kernels_cupy/kernels.py) as the CuPy backend, so these tests pin the
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kernels_cupy import kernels as K
-from kernels_cupy.cases import Case, build_case, dense_reference
-from kernels_cupy.emulate import EmulatedAttentionBackend, round_to
+from tests.kernel_cases import Case, build_case, dense_reference
+from tests.kernel_emulate import EmulatedAttentionBackend, round_to
 from kernels_cupy.torch_ref import TorchAttentionBackend
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol, per dtype

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kernels_cupy.cases import Case, build_case, dense_reference
+from tests.kernel_cases import Case, build_case, dense_reference
 from kernels_cupy.torch_ref import TorchAttentionBackend
 
 pytestmark = [

@@ -14,12 +14,13 @@ import torch
 
 from kernels_cupy import cupy_backend as CB
 from kernels_cupy import kernels as K
-from kernels_cupy.cases import build_case
+from tests.kernel_cases import build_case
 from kernels_cupy.interface import AttentionBackend
 from kernels_cupy.torch_ref import TorchAttentionBackend
 
-IMPORT_ALL = ("import kernels_cupy, kernels_cupy.cupy_backend, kernels_cupy.kernels, kernels_cupy.emulate, "
-              "kernels_cupy.cases")
+# The emulation and the test cases (tests/) ride along: they import the kernels' launch plans too.
+IMPORT_ALL = ("import kernels_cupy, kernels_cupy.cupy_backend, kernels_cupy.kernels, tests.kernel_emulate, "
+              "tests.kernel_cases")
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:

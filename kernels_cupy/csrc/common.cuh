@@ -7,7 +7,7 @@
 #pragma once
 
 // Launch geometry shared by every attention kernel; kernels_cupy/kernels.py mirrors these numbers and
-// the emulation in kernels_cupy/emulate.py walks exactly this mapping.
+// the emulation in tests/kernel_emulate.py walks exactly this mapping.
 #define KVG_WARP 32
 #define KVG_NUM_WARPS 4                      // warps per CTA: 128 threads
 #define KVG_THREADS (KVG_WARP * KVG_NUM_WARPS)
