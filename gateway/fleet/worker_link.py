@@ -7,7 +7,8 @@ senders go on; a pipe that stays full past ``ipc_send_timeout`` means the worker
 sender reports it (the pool then declares the worker dead and fails its requests).
 
 Aborts queued in one batch travel as one Abort frame after the batch's Generates, so an Abort never overtakes
-the Generate of its own request.
+the Generate of its own request. Control messages (Drain, Shutdown) go last: every Generate queued before a
+Drain reaches the worker before it stops taking new requests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Final
 
 import trio
 
-from ipc.messages import Abort, Generate
+from ipc.messages import Abort, Drain, Generate, Shutdown
 from ipc.transport import PeerUnreachable, TrioZmqSocket, router_try_send
 
 log = logging.getLogger("kvgate.gateway.pool")
@@ -31,7 +32,7 @@ OUTBOX_BOUND: Final = 1024
 _RETRY_INITIAL_S: Final = 0.001
 _RETRY_MAX_S: Final = 0.05
 
-Outgoing = Generate | Abort
+Outgoing = Generate | Abort | Drain | Shutdown
 
 
 def open_outbox() -> tuple[trio.MemorySendChannel[Outgoing], trio.MemoryReceiveChannel[Outgoing]]:
@@ -39,10 +40,12 @@ def open_outbox() -> tuple[trio.MemorySendChannel[Outgoing], trio.MemoryReceiveC
 
 
 def coalesce(batch: list[Outgoing]) -> list[Outgoing]:
-    """The batch's Generates in order, then all its aborted ids (deduplicated, in order) as one Abort."""
+    """The batch's Generates in order, then all its aborted ids (deduplicated, in order) as one Abort, then its
+    control messages (Drain, Shutdown) in order."""
     gens: list[Outgoing] = [m for m in batch if isinstance(m, Generate)]
     ids = list(dict.fromkeys(rid for m in batch if isinstance(m, Abort) for rid in m.request_ids))
-    return gens + [Abort(ids)] if ids else gens
+    control = [m for m in batch if isinstance(m, (Drain, Shutdown))]
+    return gens + ([Abort(ids)] if ids else []) + control
 
 
 async def _send_one(sock: TrioZmqSocket, identity: bytes, msg: Outgoing) -> None:
