@@ -38,7 +38,7 @@ class LengthStats:
 
 
 def length_stats(spec: str, seed: int = 0) -> LengthStats:
-    """``N`` (fixed), ``uniform:A:B``, ``normal:MEAN:STD`` or ``exp:MEAN`` (token counts, clipped to >= 1)."""
+    """``N`` (fixed), ``uniform:LO:HI``, ``normal:MEAN:STD`` or ``exp:MEAN`` (token counts, clipped to >= 1)."""
     kind, _, rest = spec.partition(":")
     rng = random.Random(seed)
     try:
@@ -54,7 +54,7 @@ def length_stats(spec: str, seed: int = 0) -> LengthStats:
         else:
             raise ValueError(spec)
     except ValueError:
-        raise PlanInputError(f"bad length distribution {spec!r}: N, uniform:A:B, normal:MEAN:STD or exp:MEAN") \
+        raise PlanInputError(f"bad length distribution {spec!r}: N, uniform:LO:HI, normal:MEAN:STD or exp:MEAN") \
             from None
     values = sorted(max(1.0, round(x)) for x in draw)
     if values[0] < 1 or not all(math.isfinite(v) for v in values):

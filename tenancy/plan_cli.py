@@ -27,7 +27,7 @@ def plan_command(
     utilization: Annotated[float, _Opt(min=0.01, max=1.0, help="Share of device memory for weights + KV.")
                            ] = 0.9,
     reserve_gib: Annotated[float, _Opt(min=0.0, help="Memory kept for activations/runtime (GiB).")] = 0.0,
-    prompt_len: Annotated[str | None, _Opt(help="N, uniform:A:B, normal:MEAN:STD or exp:MEAN.")] = None,
+    prompt_len: Annotated[str | None, _Opt(help="N, uniform:LO:HI, normal:MEAN:STD or exp:MEAN.")] = None,
     output_len: Annotated[str | None, _Opt(help="As --prompt-len.")] = None,
     concurrency: Annotated[int | None, _Opt(min=1, help="Target concurrent sequences.")] = None,
     request_rate: Annotated[float | None, _Opt(min=0.0, help="Target requests/s.")] = None,

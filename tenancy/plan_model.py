@@ -15,9 +15,9 @@ class PlanInputError(ValueError):
 
 
 def _gguf_path(name: str) -> Path | None:
-    # model_files is torch-free and is how the gateway finds the same file; an alias resolves through the
+    # common.model_files is torch-free and is how the gateway finds the same file; an alias resolves through the
     # installed wheel's metadata, never by importing the wheel.
-    from workers.model_files import gguf_source
+    from common.model_files import gguf_source
 
     try:
         return gguf_source(name)

@@ -22,7 +22,7 @@ from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
 from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
 from workers import structured
-from workers.startup import StartupProgress
+from common.startup import StartupProgress
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
