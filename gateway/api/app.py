@@ -2,8 +2,9 @@
 
 Route modules: ``generation_routes`` (the OpenAI generation routes), ``service_routes`` (health, ready,
 version, models, own usage, metrics), ``token_routes`` (tokenize/detokenize), ``admin`` (the /admin JSON API),
-``openapi`` (/openapi.json) and ``web`` (browser pages, security headers, CORS, /admin/workers); ``hooks`` holds
-the app-wide response hooks and the error handlers that make every error OpenAI-shaped JSON.
+``openapi`` (/openapi.json), ``web`` (browser pages, security headers, CORS, /admin/workers) and ``worker_admin``
+(drain a worker); ``hooks`` holds the app-wide response hooks and the error handlers that make every error
+OpenAI-shaped JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gateway.api.context import bind_state
 from gateway.api.errors import APIError
 from gateway.api.http_json import close_if_body_unread, read_body_first
 from gateway.api.web import create_web_blueprint
+from gateway.api.worker_admin import create_worker_admin_blueprint
 from gateway.state import GatewayState
 
 
@@ -39,6 +41,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     app.before_request(read_body_first)  # a keep-alive connection must not wedge on an unread body
     app.after_request(close_if_body_unread)
     app.register_blueprint(create_web_blueprint(state))  # pages, security headers, CORS, /admin/workers
+    app.register_blueprint(create_worker_admin_blueprint(state))  # POST /admin/workers/<id>/drain
     app.register_error_handler(APIError, hooks.on_api_error)
     app.register_error_handler(HTTPException, hooks.on_http_error)
     app.register_error_handler(Exception, hooks.on_unexpected)

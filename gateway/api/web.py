@@ -5,7 +5,7 @@ headers every response carries, CORS for the API, and the operator's JSON view o
     GET /usage             the key's own tenant usage, from /v1/usage
     GET /operator          live worker table (the admin token), from GET /admin/workers
     GET /assets/<file>     the pages' JS, CSS and HTML parts: plain files in the package, no CDN, no build step
-    GET /admin/workers     JSON: every live worker's Hello and last Stats (any fields it has), sampled now
+    GET /admin/workers     JSON: every live worker's state (ready, draining), Hello and last Stats, sampled now
 
 Pages load scripts from 'self' only: the Content-Security-Policy forbids inline script, so text that reaches
 the DOM as markup by mistake still cannot run. CORS is off unless the operator names origins (--cors-origin):
@@ -175,7 +175,8 @@ def workers_json(state: GatewayState) -> dict[str, Any]:
 
 def _worker_json(w: WorkerState, now: float, pending_aborts: int) -> dict[str, Any]:
     stats, counts = _split_fields(w.stats) if w.stats is not None else ({}, {})
-    return {"worker": w.worker_id, "hello": _split_fields(w.hello)[0], "in_flight": len(w.requests),
+    return {"worker": w.worker_id, "state": "draining" if w.draining else "ready",
+            "hello": _split_fields(w.hello)[0], "in_flight": len(w.requests),
             "prompt_tokens_in_flight": w.prompt_tokens, "pending_outputs": w.pending_outputs(),
             "pending_aborts": pending_aborts, "seconds_since_heartbeat": round(max(0.0, now - w.last_seen), 3),
             "live_seconds": round(max(0.0, now - w.joined), 3), "stats": stats, "stats_counts": counts}

@@ -12,7 +12,8 @@ engine does, is stopped) or *hung* (its heartbeats say one step has run past ``s
 request on it fails at once, and a frozen or hung worker the supervisor started is killed and restarted. A
 *slow* worker (heartbeats arrive, a step runs long) is only load. The worker's heartbeats list the requests it
 holds; any the gateway does not track (given up on, released while the Abort was in flight, or from a gateway
-that restarted) is aborted, so a worker heard from again never runs work for nobody.
+that restarted) is aborted, so a worker heard from again never runs work for nobody. A *draining* worker
+(``drain``, ``gateway.fleet.drain``) gets no new requests, finishes its own and says Goodbye; nothing fails.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import trio
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.api.errors import unavailable
 from gateway.pipeline.handle import RequestFailed, RequestHandle
+from gateway.fleet.drain import drain_worker
 from gateway.fleet.routing import Router, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
@@ -62,8 +64,9 @@ class WorkerPool:
         self.hello_times: dict[int, float] = {}  # pid -> trio time of its first Hello (the supervisor pops it)
         self.observer: PoolObserver = observer or NoObserver()
         self._retired_worker_seconds = 0.0  # live time of workers that are gone
-        self.losses: Counter[str] = Counter()  # workers lost, by kind: exited, goodbye, send_failed, frozen, hung
+        self.losses: Counter[str] = Counter()  # workers lost, by kind: exited, goodbye, drained, send_failed, frozen, hung
         self.reconciled_aborts = 0  # requests a worker held that this gateway did not track, aborted
+        self._drained_pids: set[int] = set()  # workers told to drain: their exit is a restart, not a crash
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -89,7 +92,8 @@ class WorkerPool:
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers)
+        """Some worker takes new requests (a draining one does not)."""
+        return any(not w.draining for w in self.workers.values())
 
     @property
     def max_model_len(self) -> int | None:
@@ -122,10 +126,11 @@ class WorkerPool:
                      trace_context: dict[str, str] | None = None) -> RequestHandle:
         """Pick a worker and queue the request for it. Raises APIError(503) when no worker can take it."""
         await trio.lowlevel.checkpoint()
-        if not self.workers:
+        open_ = [w.load() for w in self.workers.values() if not w.draining]  # a draining worker takes nothing new
+        if not open_:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
         keys = prefix_keys(cache_salt, prompt_ids)
-        wid = self.router.choose([w.load() for w in self.workers.values()], keys, len(prompt_ids))
+        wid = self.router.choose(open_, keys, len(prompt_ids))
         if wid is None:
             raise unavailable("all workers are at capacity; retry later", self.retry_after())
         w = self.workers[wid]
@@ -158,6 +163,26 @@ class WorkerPool:
             w.service_time = d if w.service_time is None else (1 - _EWMA_ALPHA) * w.service_time + _EWMA_ALPHA * d
         else:
             self._queue_abort(w, [handle.request_id])
+
+    def drain(self, worker_id: str, timeout: float) -> WorkerState:
+        """Route nothing new to ``worker_id`` from now on and have it finish its requests and exit (its
+        supervisor starts a fresh one at once); past ``timeout`` seconds what it still holds fails with
+        ``drain_timeout``. Idempotent. Raises KeyError when no such worker is live."""
+        w = self.workers[worker_id]
+        if w.draining:
+            return w
+        w.draining_since = trio.current_time()
+        self.router.forget_worker(worker_id)  # its prefix cache leaves with its process
+        self._drained_pids.add(w.hello.pid)
+        log.info("draining worker %s (pid %d, %d requests in flight, timeout %gs)", worker_id, w.hello.pid,
+                 len(w.requests), timeout)
+        if self._nursery is not None:  # None only in unit tests that never run the pool
+            self._nursery.start_soon(drain_worker, w, timeout, self.kill_local)
+        return w
+
+    def drained(self, pid: int) -> bool:
+        """Whether the process ``pid`` exited because it was told to drain (its supervisor restarts it at once)."""
+        return pid in self._drained_pids
 
     def process_exited(self, worker_id: str, pid: int) -> None:
         """The supervisor saw a local worker process exit: fail its requests now, not after heartbeats."""
@@ -221,7 +246,7 @@ class WorkerPool:
             if h is not None:
                 h.fail(msg.code, msg.message)
         elif isinstance(msg, Goodbye):
-            self._mark_dead(w, f"said goodbye ({msg.reason})", "goodbye")
+            self._mark_dead(w, f"said goodbye ({msg.reason})", "drained" if w.draining else "goodbye")
 
     def _on_stats(self, w: WorkerState, msg: Stats) -> None:
         """Take the heartbeat, and reconcile: abort what the worker holds that nobody here waits for."""
@@ -302,7 +327,9 @@ class WorkerPool:
         w.outbox.close()
         self._retired_worker_seconds += trio.current_time() - w.joined
         self.router.forget_worker(w.worker_id)
-        log.warning("worker %s lost (%s); failing %d in-flight requests", w.worker_id, reason, len(w.requests))
+        w.gone.set()
+        log.log(logging.INFO if kind == "drained" else logging.WARNING, "worker %s lost (%s); failing %d in-flight "
+                "requests", w.worker_id, reason, len(w.requests))
         for h in w.requests.values():
             h.fail("worker_died", f"the worker serving this request failed ({reason})")
         w.requests.clear()

@@ -1,7 +1,8 @@
 """Spawn and supervise the gateway's local worker subprocesses.
 
 One task per worker slot runs the worker, waits for it to exit, tells the pool (so its requests fail at
-once), and restarts it after an exponential backoff (reset once a worker has run for a while). When the
+once), and restarts it after an exponential backoff (reset once a worker has run for a while), or at once
+when the operator drained it (``WorkerPool.drain``): same id, same slot. When the
 gateway stops, the slot's task is cancelled and the worker is terminated, then killed; when the gateway is
 SIGKILLed, the kernel kills the workers (PR_SET_PDEATHSIG) and they also watch their parent pid themselves.
 
@@ -17,7 +18,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -67,8 +68,10 @@ async def wait_process(proc: subprocess.Popen[bytes]) -> int:
 class Supervisor:
     def __init__(self, pool: WorkerPool, count: int, connect: str, model: str | Path, served_model_name: str,
                  engine: EngineArgs, timing: TimingConfig, python: str = sys.executable,
-                 on_restart: Callable[[str], None] = lambda worker_id: None, log_format: str = "json") -> None:
+                 on_restart: Callable[[str], None] = lambda worker_id: None, log_format: str = "json",
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self._pool = pool
+        self._extra_env = dict(extra_env or {})  # e.g. the local workers' CURVE keys (never on argv)
         self._on_restart = on_restart  # counts restarts (metrics); called before each backoff
         self._count = count
         self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
@@ -117,7 +120,11 @@ class Supervisor:
         while True:
             started = trio.current_time()
             self._next_start[slot] = started
-            rc = await self._run_once(worker_id, started)
+            rc, pid = await self._run_once(worker_id, started)
+            if self._pool.drained(pid):  # the operator drained it: a fresh one now, not a crash's backoff
+                log.info("worker %s (pid %d) drained and exited with %s; starting a fresh one", worker_id, pid, rc)
+                self._on_restart(worker_id)
+                continue
             if trio.current_time() - started >= HEALTHY_RUN_S:
                 failures = 0
             delay = min(self._timing.restart_backoff_max, self._timing.restart_backoff_initial * 2 ** failures)
@@ -127,10 +134,10 @@ class Supervisor:
             self._next_start[slot] = trio.current_time() + delay
             await trio.sleep(delay)
 
-    async def _run_once(self, worker_id: str, started: float) -> int:
+    async def _run_once(self, worker_id: str, started: float) -> tuple[int, int]:
         # Popen from the Trio thread (see the module docstring); a fork+exec takes milliseconds.
         proc = subprocess.Popen(self.command(worker_id), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                env=worker_env())
+                                env={**worker_env(), **self._extra_env})
         self.pids[worker_id] = proc.pid
         log.info("started worker %s (pid %d)", worker_id, proc.pid)
         try:
@@ -143,7 +150,7 @@ class Supervisor:
                 if hello_at is not None:
                     self._startup_s = hello_at - started
                 self._pool.process_exited(worker_id, proc.pid)
-        return rc
+        return rc, proc.pid
 
 
 async def _stop(proc: subprocess.Popen[bytes], grace: float = 3.0) -> None:

@@ -44,7 +44,8 @@ def _outbox_send() -> trio.MemorySendChannel[Outgoing]:
 class WorkerState:
     """One live worker. Liveness has four answers: dead (process gone, Goodbye, send failed), frozen (no
     frame at all for the heartbeat timeout), hung (its current step past the step timeout), and otherwise
-    alive, where ``health`` says idle, busy or slow: a slow step is load, never a failure."""
+    alive, where ``health`` says idle, busy or slow: a slow step is load, never a failure. A *draining* worker
+    is alive but takes no new requests: it finishes those it holds, says Goodbye and exits."""
 
     hello: Hello
     identity: bytes
@@ -58,6 +59,8 @@ class WorkerState:
     outbox: trio.MemorySendChannel[Outgoing] = field(default_factory=_outbox_send)
     sender_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     aborting: dict[str, float] = field(default_factory=dict)  # request id -> trio time its Abort was queued
+    draining_since: float | None = None  # trio clock of the operator's drain: no new requests go here
+    gone: trio.Event = field(default_factory=trio.Event)  # set when the pool drops it (dead, said goodbye)
 
     def step_elapsed(self, now: float) -> float | None:
         """How long the worker's current step has run by now (None between steps or before any Stats)."""
@@ -74,6 +77,10 @@ class WorkerState:
 
     def outbox_depth(self) -> int:
         return self.outbox.statistics().current_buffer_used
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
 
     @property
     def worker_id(self) -> str:
