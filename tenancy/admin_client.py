@@ -103,6 +103,14 @@ class RemoteAdmin:
     def usage(self, tenant: str | None = None, since: str | None = None, by: str | None = None) -> Json:
         return self._call("GET", "/usage", params={"tenant": tenant, "since": since, "by": by})
 
+    # ---- the gateway's workers (no store behind these: remote mode only) ----
+
+    def workers(self) -> Json:
+        return self._call("GET", "/workers")
+
+    def drain_worker(self, worker_id: str, timeout: float | None = None) -> Json:
+        return self._call("POST", f"/workers/{_seg(worker_id)}/drain", body=_drop_none({"timeout": timeout}))
+
 
 def _error(resp: httpx.Response, data: object) -> AdminOpError:
     error = data.get("error") if isinstance(data, dict) else None

@@ -1,4 +1,4 @@
-"""kvgatectl: manage kvgate tenants, API keys, quotas and usage.
+"""kvgatectl: manage kvgate tenants, API keys, quotas and usage (and, remote mode, a gateway's workers).
 
 Local mode (``--db PATH`` or ``--db postgresql://...``, env KVGATE_DB) opens the store directly, with the
 deployment's server secret (KVGATE_SECRET, or ``<db>.secret`` beside an SQLite file); remote mode (``--url URL --admin-token T``, env KVGATE_URL and
@@ -292,6 +292,11 @@ def top(ctx: typer.Context,
 from tenancy.plan_cli import plan_command  # noqa: E402  (registered here so `kvgatectl plan` exists)
 
 app.command("plan")(plan_command)
+
+# --- worker (tenancy/worker_cli.py): drain and rolling restart over the gateway's /admin/workers ------------
+from tenancy.worker_cli import worker_app  # noqa: E402
+
+app.add_typer(worker_app, name="worker")
 
 
 def main() -> None:
