@@ -40,7 +40,8 @@ def fmt(value: Any) -> str:
 
 
 def make_console() -> Console:
-    console = Console(highlight=False)
+    # No emoji codes: values such as uniform:100:400 or a tenant named ':fire:' are printed as written.
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = PIPE_WIDTH
     return console

@@ -105,6 +105,14 @@ def test_cli_json_and_table() -> None:
     assert res.exit_code == 2 and "unknown device" in res.output
 
 
+def test_table_prints_length_specs_as_written() -> None:
+    """Rich reads ':100:' as an emoji code; the table must show the spec the user gave."""
+    res = CliRunner().invoke(app, ["plan", "--model", "llama-2-7b", "--prompt-len", "uniform:100:400",
+                                   "--output-len", "normal:200:50"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "prompt uniform:100:400 (" in res.output and "output normal:200:50 (" in res.output
+
+
 def test_against_a_gateway_reads_workers_pool_and_measures_rate() -> None:
     import httpx
 
