@@ -26,6 +26,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "many seconds to finish before exiting (default 30)")
     p.add_argument("--zmq-bind", default="tcp://127.0.0.1:0",
                    help="ROUTER address workers connect to; a fixed port lets workers started by hand join")
+    w = p.add_argument_group("remote workers (ZeroMQ CURVE; keys from `kvgate keys create`)")
+    w.add_argument("--worker-keys", default=None, metavar="DIR",
+                   help="accept only workers whose public key is in DIR (*.key files); turns CURVE on")
+    w.add_argument("--server-secret-key", default=None, metavar="FILE",
+                   help="the gateway's own secret key file (NAME.key_secret); workers get its NAME.key")
+    w.add_argument("--insecure-workers", action="store_true",
+                   help="allow a --zmq-bind other hosts can reach without CURVE (anyone who connects can be a worker)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
@@ -78,6 +85,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     from gateway.config import (AdmissionConfig, EngineArgs, GatewayConfig, ObservabilityConfig, TenancyConfig,
                                 TimingConfig)
+    from gateway.fleet.worker_auth import WorkerSecurity
 
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,
@@ -94,7 +102,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                             step_timeout=a.step_timeout,
                             sse_ping_interval=a.sse_ping_interval),
         observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None,
-                                          log_format=a.log_format))
+                                          log_format=a.log_format),
+        worker_security=WorkerSecurity(a.worker_keys, a.server_secret_key, a.insecure_workers))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -127,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["worker"], ["generate"]):
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-m", "workers.cli", *argv])
+    if argv[:1] == ["keys"]:
+        from gateway.keys_cli import main as keys_main
+
+        return keys_main(argv[1:])
     if argv[:1] == ["chaos"]:  # drills against a deployment: Typer + Rich, loaded only when asked for
         from chaos.cli import main as chaos_main
 
@@ -136,5 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     sub.add_parser("worker", help="run one engine replica connected to a gateway (kvgate worker -h)")
     sub.add_parser("generate", help="stream a completion in-process, no server (kvgate generate -h)")
+    sub.add_parser("keys", help="CURVE key pairs for the gateway and remote workers (kvgate keys -h)")
     sub.add_parser("chaos", help="drills that break a deployment on purpose (kvgate chaos --help)")
     return cmd_serve(parser.parse_args(argv))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from gateway.fleet.worker_auth import WorkerSecurity
+
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
@@ -134,8 +136,10 @@ class GatewayConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    worker_security: WorkerSecurity = field(default_factory=WorkerSecurity)  # CURVE on the worker socket
 
     def __post_init__(self) -> None:
+        self.worker_security.check(self.zmq_bind)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.workers < 0:

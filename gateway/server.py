@@ -30,6 +30,7 @@ from gateway.state import GatewayState, Tenancy
 from gateway.fleet.supervisor import Supervisor
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.telemetry.tracing import Tracing
+from gateway.fleet.worker_auth import WorkerAuth, start_worker_auth
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret
@@ -131,7 +132,15 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
     tokenizer = await trio.to_thread.run_sync(GatewayTokenizer, model_dir)
     store, secret, limiter = await trio.to_thread.run_sync(_open_tenancy, cfg.tenancy)
     ctx: zmq.Context[Any] = zmq.Context()
-    sock, zmq_addr = gateway_router(ctx, cfg.zmq_bind)
+    worker_auth: WorkerAuth | None = None
+    try:
+        worker_auth = start_worker_auth(ctx, cfg.worker_security)  # the ZAP handler must exist before the bind
+        sock, zmq_addr = gateway_router(ctx, cfg.zmq_bind, curve=worker_auth.server if worker_auth else None)
+    except BaseException:
+        if worker_auth is not None:
+            worker_auth.stop()
+        ctx.destroy(linger=0)
+        raise
     supervisor: Supervisor | None = None
     tracing = Tracing(cfg.observability.otlp_endpoint, span_exporter)
     try:
@@ -149,7 +158,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                 supervisor = Supervisor(pool, cfg.workers, zmq_addr, model_dir, cfg.model_name, cfg.engine,
                                         cfg.timing, on_restart=lambda wid: gm.restarts.labels(cfg.model_name,
                                                                                               wid).inc(),
-                                        log_format=cfg.observability.log_format)
+                                        log_format=cfg.observability.log_format,
+                                        extra_env=worker_auth.local_worker_env() if worker_auth else None)
                 pool.kill_local = supervisor.kill  # a frozen or hung local worker is killed and restarted
                 await outer.start(supervisor.run)
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
@@ -175,6 +185,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
     finally:
         tracing.shutdown()
         sock.close()
+        if worker_auth is not None:
+            worker_auth.stop()
         ctx.term()
         limiter.close()
         store.close()

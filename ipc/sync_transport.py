@@ -13,6 +13,7 @@ from typing import Any, Final
 import zmq
 
 from ipc.codec import MAX_FRAME_BYTES, decode_or_none, encode
+from ipc.curve import ClientCurve, apply_client
 from ipc.messages import GatewayToWorker, Message
 
 _log = logging.getLogger(__name__)
@@ -66,13 +67,17 @@ def worker_dealer(
     rcvhwm: int = DEFAULT_RCVHWM,
     heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+    curve: ClientCurve | None = None,
 ) -> zmq.Socket[bytes]:
-    """Connect a worker's DEALER (a blocking socket for the synchronous worker loop), its id as identity."""
+    """Connect a worker's DEALER (a blocking socket for the synchronous worker loop), its id as identity;
+    with ``curve`` as a CURVE client of the gateway whose public key it names."""
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.ROUTING_ID, _identity_bytes(identity))  # must be set before connect
         configure_socket(sock, sndhwm, rcvhwm, heartbeat_ivl_ms, heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, DEFAULT_RECONNECT_IVL_MAX_MS)
+        if curve is not None:
+            apply_client(sock, curve)
         sock.connect(connect_addr)
     except BaseException:
         sock.close(linger=0)

@@ -28,6 +28,7 @@ import trio
 import zmq
 
 from ipc.codec import decode_or_none, encode
+from ipc.curve import ServerCurve, apply_server
 from ipc.messages import GatewayToWorker, WorkerToGateway
 from ipc.sync_transport import (
     DEFAULT_HEARTBEAT_IVL_MS,
@@ -244,8 +245,11 @@ def gateway_router(
     rcvhwm: int = DEFAULT_RCVHWM,
     heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+    curve: ServerCurve | None = None,
 ) -> tuple[TrioZmqSocket, str]:
-    """Bind the gateway's ROUTER. Returns the Trio socket and the bound address (a ``*`` port resolved)."""
+    """Bind the gateway's ROUTER. Returns the Trio socket and the bound address (a ``*`` port resolved).
+    With ``curve`` only peers that pass the CURVE handshake and the context's ZAP handler are connected: the
+    ROUTER never sees a frame from, nor routes one to, anyone else."""
     sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
     try:
         # MANDATORY: without it a ROUTER silently drops frames to an unknown peer or to a full pipe. We want
@@ -256,6 +260,8 @@ def gateway_router(
         # refused until the router notices the old connection is dead.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         configure_socket(sock, sndhwm, rcvhwm, heartbeat_ivl_ms, heartbeat_timeout_ms)
+        if curve is not None:
+            apply_server(sock, curve)
         sock.bind(bind_addr)
         actual = sock.getsockopt(zmq.LAST_ENDPOINT)
     except BaseException:

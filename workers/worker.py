@@ -21,6 +21,7 @@ import zmq
 
 from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generate, GatewayToWorker, Goodbye,
                           Hello, RequestError, RequestOutputMsg, Shutdown, StepOutputs)
+from ipc.curve import ClientCurve, client_curve
 from ipc.sync_transport import send, worker_dealer
 from workers import step_sizing
 from workers.core.outputs import StepOutput
@@ -28,7 +29,7 @@ from workers.engine import LLMEngine, engine_from_config
 from common.logs import FORMATS, setup_logging
 from common.startup import StartupProgress
 from workers.worker_args import add_engine_args, engine_config
-from workers.worker_io import EngineSnapshot, StopRequest, WorkerIO
+from workers.worker_io import REFUSED, EngineSnapshot, StopRequest, WorkerIO
 
 log = logging.getLogger("kvgate.worker")
 IDLE_WAIT_S = 1.0  # an idle engine sleeps on its inbox; a message wakes it at once
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvgate worker", description="run one engine replica")
     p.add_argument("--connect", required=True, help="the gateway's ZeroMQ address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--worker-id", default=f"worker-{os.getpid()}")
+    p.add_argument("--server-key", default=None, metavar="FILE",
+                   help="the gateway's public key file (NAME.key): join over ZeroMQ CURVE (with --key)")
+    p.add_argument("--key", default=None, metavar="FILE", help="this worker's secret key file (NAME.key_secret)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
     p.add_argument("--log-format", default="json", choices=FORMATS, help="JSON lines (default) or readable text")
     # Tests and chaos drills make a worker as slow as a slow machine's: every step spins this long first.
@@ -170,26 +174,35 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     a = p.parse_args(argv)
     setup_logging("INFO", a.log_format)
+    try:  # before the model loads: a wrong key file is a quick error, not one after minutes
+        curve = client_curve(a.key, a.server_key, os.environ)
+    except ValueError as e:
+        p.error(str(e))
     progress = StartupProgress(f"worker {a.worker_id}")
     engine, _ = engine_from_config(engine_config(a), progress)
     budget = _size_steps(engine, a, progress)
     bm = engine.scheduler.bm
     progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len "
                   f"{engine.max_model_len}, step budget {budget} tokens")
-    return _serve(engine, a)
+    return _serve(engine, a, curve)
 
 
-def _serve(engine: LLMEngine, a: argparse.Namespace) -> int:
+def _serve(engine: LLMEngine, a: argparse.Namespace, curve: ClientCurve | None = None) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = worker_dealer(ctx, a.connect, a.worker_id)
+    sock = worker_dealer(ctx, a.connect, a.worker_id, curve=curve)
+    if curve is not None:
+        log.info("worker %s joins %s over CURVE, public key %s", a.worker_id, a.connect, curve.keys.public.decode())
     io = WorkerIO(ctx, sock, hello_for(engine, a.worker_id, a.served_model_name or a.model), a.parent_pid)
     final: Goodbye | None = None
+    status = 0
     try:
         send(sock, io.hello, timeout_ms=10_000)  # before the I/O thread owns the socket
         io.start()
         reason = Worker(engine, io, a.debug_step_delay).run()
         log.info("worker %s exiting: %s", a.worker_id, reason)
-        if reason != "gateway gone":
+        if reason == REFUSED:
+            status = 1  # a supervisor (systemd, Kubernetes) sees the failure; restarting will not fix a key
+        elif reason != "gateway gone":
             final = Goodbye(a.worker_id, reason)
     except TimeoutError:
         log.warning("worker %s: gateway unreachable, exiting", a.worker_id)
@@ -199,7 +212,7 @@ def _serve(engine: LLMEngine, a: argparse.Namespace) -> int:
         io.close(final)  # lets queued outputs and the Goodbye leave, bounded in time
         sock.close(linger=1000)
         ctx.term()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -46,6 +46,13 @@ INBOX_BOUND: Final = 4096
 # and the engine's send blocks: backpressure reaches the engine instead of memory growing without bound.
 OUTBOX_HWM: Final = 256
 _RECV_BATCH: Final = 256  # socket reads per wake-up, so a flood cannot starve heartbeats
+REFUSED: Final = "refused by the gateway"  # a failed handshake (CURVE key or settings): retrying cannot help
+_HANDSHAKE_FAILED: Final[dict[int, str]] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the gateway refused this worker's CURVE key (not among its --worker-keys)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed: is --server-key the gateway's public key?",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: one side uses CURVE and the other does not "
+                                         "(--key/--server-key here, --worker-keys on the gateway)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +107,10 @@ class WorkerIO:
         self._push.setsockopt(zmq.SNDHWM, OUTBOX_HWM)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(addr)
-        self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        for failed in _HANDSHAKE_FAILED:
+            events |= failed
+        self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(events)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvgate-worker-io", daemon=True)
         # The first CONNECTED event may predate the monitor; the initial Hello's send timeout covers a
@@ -247,6 +257,9 @@ class WorkerIO:
                 self._disconnected_since = None
             elif event == zmq.EVENT_DISCONNECTED and self._disconnected_since is None:
                 self._disconnected_since = time.monotonic()
+            elif event in _HANDSHAKE_FAILED:
+                log.error("%s; exiting", _HANDSHAKE_FAILED[event], extra={"fields": {"event": "handshake_failed"}})
+                self._ask_engine_to_stop(REFUSED)
 
     def _ask_engine_to_stop(self, reason: str) -> None:
         if self._stop_sent:
