@@ -3,6 +3,8 @@
 Decodes (one query token each) are attended in one batched call over K/V gathered through the block
 table and padded to the longest context; prefill chunks are attended one sequence at a time, causal
 within the chunk and full over the tokens already in the cache. No padding ever reaches the linear layers.
+An int8 cache (``kernels_cupy.kv_quant``: codes and a per-token-per-head scale in each row) is read by
+gathering its blocks and de-quantizing the gathered rows.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels_cupy.interface import AttentionMetadata
+from kernels_cupy.kv_quant import as_cached, to_cache, widen
 
 
 def gather_kv(
-    cache: torch.Tensor,  # (NB, BS, Hkv, D)
+    cache: torch.Tensor,  # (NB, BS, Hkv, D), or (NB, BS, Hkv, D + 4) int8
     block_table: torch.Tensor,  # (nblocks,) or (B, nblocks) int
     length: int,  # tokens to keep (<= nblocks * BS)
 ) -> torch.Tensor:  # (length, Hkv, D) or (B, length, Hkv, D)
@@ -39,9 +42,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         meta: AttentionMetadata,
     ) -> None:
-        # The caches are contiguous, so a flat (NB*BS, Hkv, D) view addresses slots directly.
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        # The caches are contiguous, so a flat (NB*BS, Hkv, D) view addresses slots directly; an int8 cache
+        # gets each (token, head) row quantized with its own scale.
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, to_cache(key, k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, to_cache(value, v_cache.dtype))
 
     def forward(
         self,
@@ -62,8 +66,8 @@ class TorchAttentionBackend:
             qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             rows = slice(start, start + qlen)
             if qlen == slen:  # nothing cached before this chunk: attend to the fresh K/V, no gather
-                # (rounded to the cache's dtype, so a later prefix hit sees exactly the same values)
-                kr, vr = key[rows].to(k_cache.dtype), value[rows].to(v_cache.dtype)
+                # (rounded as the cache stores them, so a later prefix hit sees exactly the same values)
+                kr, vr = as_cached(key[rows], k_cache.dtype), as_cached(value[rows], v_cache.dtype)
                 out[rows] = self._causal(query[rows], kr, vr, scale)
             else:
                 out[rows] = self._prefill(query[rows], k_cache, v_cache, meta.block_tables[i], slen, scale)
@@ -82,9 +86,10 @@ class TorchAttentionBackend:
         max_len = max(meta.seq_lens_cpu[:nd])
         nblocks = -(-max_len // k_cache.shape[1])
         table = meta.block_tables[:nd, :nblocks]  # (nd, nblocks)
-        # K/V are widened to the query's dtype (a bf16 cache under an fp32 model computes in fp32).
-        k = gather_kv(k_cache, table, max_len).transpose(1, 2).to(q.dtype)  # (nd, Hkv, L, D)
-        v = gather_kv(v_cache, table, max_len).transpose(1, 2).to(q.dtype)  # (nd, Hkv, L, D)
+        # K/V are widened to the query's dtype (a bf16 cache under an fp32 model computes in fp32; int8 rows
+        # are de-quantized).
+        k = widen(gather_kv(k_cache, table, max_len), q.dtype).transpose(1, 2)  # (nd, Hkv, L, D)
+        v = widen(gather_kv(v_cache, table, max_len), q.dtype).transpose(1, 2)  # (nd, Hkv, L, D)
         pos = torch.arange(max_len, device=q.device)  # (L,)
         valid = pos[None, :] < meta.seq_lens[:nd, None].to(q.device)  # (nd, L) padding mask
         o = F.scaled_dot_product_attention(
@@ -120,8 +125,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # (qlen, Hq, D)
         qlen = q.shape[0]
         nblocks = -(-seq_len // k_cache.shape[1])
-        k = gather_kv(k_cache, block_table[:nblocks], seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
-        v = gather_kv(v_cache, block_table[:nblocks], seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
+        k = widen(gather_kv(k_cache, block_table[:nblocks], seq_len), q.dtype).transpose(0, 1)  # (Hkv, L, D)
+        v = widen(gather_kv(v_cache, block_table[:nblocks], seq_len), q.dtype).transpose(0, 1)  # (Hkv, L, D)
         qh = q.transpose(0, 1)  # (Hq, qlen, D)
         # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
         rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)

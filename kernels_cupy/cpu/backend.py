@@ -19,13 +19,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(
         self,
         q: torch.Tensor,  # (nd, Hq, D)
-        k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        k_cache: torch.Tensor,  # (NB, BS, Hkv, D), or (NB, BS, Hkv, D + 4) int8 (kernels_cupy.kv_quant)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (nd, Hq, D)
-        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.bfloat16):
-            return super()._decode(q, k_cache, v_cache, meta, scale)  # fp32 queries, fp32/bf16 K/V only
+        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            return super()._decode(q, k_cache, v_cache, meta, scale)  # fp32 queries, fp32/bf16/int8 K/V only
         nd = q.shape[0]
         out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache,
                                                    meta.block_tables[:nd], meta.seq_lens[:nd], scale)

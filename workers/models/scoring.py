@@ -6,19 +6,22 @@ from __future__ import annotations
 import torch
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+from kernels_cupy.kv_quant import row_width
 from workers.models.llama import LlamaForCausalLM
 
 
 @torch.inference_mode()
 def sequence_logits(model: LlamaForCausalLM, ids: list[int], backend: AttentionBackend,
-                    chunk: int = 256, block_size: int = 16) -> torch.Tensor:  # (len(ids), V) fp32
+                    chunk: int = 256, block_size: int = 16,
+                    kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # (len(ids), V) fp32
     """Row t holds the logits that predict token t + 1. The sequence is prefilled in chunks (the path
-    serving takes), its blocks laid out in order so slot = position."""
+    serving takes; chunk 1 is decode), its blocks laid out in order so slot = position, in a cache of
+    ``kv_dtype`` (int8: kernels_cupy.kv_quant)."""
     c = model.cfg
     n = len(ids)
     nb = -(-n // block_size)
-    shape = (nb, block_size, c.num_key_value_heads, c.head_dim)  # (NB, BS, Hkv, D)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_hidden_layers)]
+    shape = (nb, block_size, c.num_key_value_heads, row_width(c.head_dim, kv_dtype))  # (NB, BS, Hkv, D[+4])
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(c.num_hidden_layers)]
     table = torch.arange(nb, dtype=torch.int32)[None, :]  # (1, NB)
     out = []
     for s in range(0, n, chunk):
