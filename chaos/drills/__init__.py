@@ -8,6 +8,7 @@ from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.gateway_kill import GatewayKill
 from chaos.drills.overload import Overload
 from chaos.drills.redis_outage import RedisOutage
+from chaos.drills.rolling_restart import RollingRestart
 from chaos.drills.slow_readers import SlowReaders
 from chaos.drills.slow_steps import SlowSteps
 from chaos.drills.store_trouble import StoreTrouble
@@ -16,7 +17,7 @@ from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
 
 def all_drills() -> list[Drill]:
     return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
-            StoreTrouble(), GatewayKill(), BadInput()]
+            StoreTrouble(), GatewayKill(), BadInput(), RollingRestart()]
 
 
 def by_name() -> dict[str, Drill]:

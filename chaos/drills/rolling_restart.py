@@ -1,0 +1,102 @@
+"""A rolling restart of two workers under 16 concurrent streams (issue 14 item 5), the way an operator does it:
+``kvgatectl worker restart --all`` drains one worker (it takes nothing new, finishes its streams, exits, and its
+supervisor starts a fresh process), waits for the fresh one, then does the next. Sixteen clients stream back to
+back from before the roll until it is over, so each drain finds streams to finish and new requests keep arriving
+while one worker is away. The verdict: every stream completed ([DONE], no error event), both worker pids changed,
+each drained worker held streams at its drain, one ledger row per request, quiet afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, ClassVar
+
+import trio
+
+from chaos.deployment import DeploymentSpec
+from chaos.drills.base import Drill, DrillContext, Sizing, ledger_checks, quiet_checks, record_outcomes
+from chaos.drills.streams import long_streams
+from chaos.verdict import DrillResult, check, equal
+
+
+class RollingRestart(Drill):
+    name = "rolling-restart"
+    summary = ("restart both workers one at a time (kvgatectl worker restart --all) under 16 concurrent streams: "
+               "0 failed streams, both worker pids changed, no request lost from the ledger")
+    spawn_only = True  # restarts the deployment's workers: its own two-worker deployment
+    STREAMS: ClassVar[int] = 16
+    ROLL_WITHIN_S: ClassVar[float] = 600.0  # both drains and both fresh starts (smollm2 loads in about a minute)
+
+    def spec(self, sizing: Sizing) -> DeploymentSpec:
+        return DeploymentSpec(sizing.model_dir, workers=2, torch_threads=1 if sizing.quick else None)
+
+    async def run(self, ctx: DrillContext, result: DrillResult) -> None:
+        max_tokens = 200 if ctx.sizing.model == "tiny" else 64
+        result.load = (f"{self.STREAMS} clients streaming back to back (/v1/completions, 32-token prompts, "
+                       f"{max_tokens} tokens each, ignore_eos) from before the roll until it ended")
+        before = await _worker_pids(ctx)
+        since = time.time()
+        load = ctx.load(self.STREAMS)
+        rolled = trio.Event()
+
+        async def client() -> None:
+            while not rolled.is_set():
+                await load.run(long_streams(ctx, 1, 32, max_tokens, deadline_s=600.0))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.STREAMS):
+                nursery.start_soon(client)
+            streaming = await load.wait_streaming(self.STREAMS, 300.0)
+            ctx.say(f"{len(load.streaming)} streams running; kvgatectl worker restart --all")
+            roll = await self._roll(ctx)
+            rolled.set()
+            ctx.say("roll done; letting the last streams finish")
+        record_outcomes(result, load.outcomes)
+        after = await _worker_pids(ctx)
+        self._judge(result, streaming, roll, load.outcomes, before, after)
+        result.add(*await ledger_checks(ctx, since, load.outcomes))
+        result.add(*await quiet_checks(ctx, within=30.0))
+
+    async def _roll(self, ctx: DrillContext) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "tenancy.cli", "--url", ctx.target.url, "--admin-token",
+               ctx.target.admin_token or "", "worker", "restart", "--all", "--timeout", "600", "--json"]
+        with trio.move_on_after(self.ROLL_WITHIN_S):
+            p = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+            try:
+                data = json.loads(p.stdout)["data"] if p.returncode == 0 else None
+            except (ValueError, KeyError):
+                data = None
+            return {"rc": p.returncode, "data": data, "stderr": p.stderr.decode(errors="replace")[-2000:]}
+        return {"rc": None, "data": None, "stderr": f"did not finish within {self.ROLL_WITHIN_S:g}s"}
+
+    @staticmethod
+    def _judge(result: DrillResult, streaming: bool, roll: dict[str, Any], outcomes: list[Any],
+               before: dict[str, int], after: dict[str, int]) -> None:
+        steps = roll["data"] or []
+        result.details["roll"] = roll
+        result.measurements.update(streams=len(outcomes), **{f"{s['worker']}_back_after_s": s["seconds"]
+                                                              for s in steps})
+        failed = [o for o in outcomes if o.kind != "completed" or not o.shape_ok]
+        kinds = sorted({f"{o.kind}:{o.code}" for o in failed})
+        result.add(
+            check(f"all {RollingRestart.STREAMS} streams were running when the roll began", streaming),
+            check("kvgatectl worker restart --all succeeded", roll["rc"] == 0 and bool(steps),
+                  f"rc {roll['rc']}: " + (", ".join(f"{s['worker']} pid {s['old_pid']} -> {s['new_pid']} in "
+                                                    f"{s['seconds']}s" for s in steps) or roll["stderr"][-300:])),
+            check("each drained worker held streams at its drain", bool(steps) and
+                  all(s["in_flight_at_drain"] > 0 for s in steps),
+                  ", ".join(f"{s['worker']}: {s['in_flight_at_drain']}" for s in steps)),
+            equal("failed streams", len(failed), 0),
+            check("every stream completed with [DONE]", not failed,
+                  f"{len(outcomes) - len(failed)}/{len(outcomes)} completed" + (f"; {', '.join(kinds[:4])}"
+                                                                                if kinds else "")),
+            check("both worker pids changed", set(before) == set(after) and len(after) == 2 and
+                  all(before[w] != after[w] for w in before), f"before {before}, after {after}"),
+        )
+
+
+async def _worker_pids(ctx: DrillContext) -> dict[str, int]:
+    data = await ctx.target.admin(ctx.client, "GET", "/workers")
+    return {str(r["worker"]): int(r["hello"]["pid"]) for r in data["data"]}
