@@ -8,8 +8,8 @@ each other's build and rebuild in turn.
 
 So each extension gets:
 
-- one build directory per *content key* (sources and headers, flags, torch and Python versions, and the CPU
-  model where ``-march=native`` is used): different flags can never share, hence never alternate rebuilds;
+- one build directory per *content key* (sources and headers with their paths, flags, torch and Python
+  versions, and the CPU model where ``-march=native`` is used): different flags can never share, hence never alternate rebuilds;
   the key also means a new version of a kernel never loads a stale binary;
 - an ``fcntl.flock`` around the whole load: the kernel releases it when its holder dies, so it cannot go
   stale; it is taken with a deadline (``KVGATE_KERNEL_BUILD_TIMEOUT`` seconds, default 600) so a live but
@@ -59,7 +59,9 @@ def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldfla
 
     h = hashlib.sha256()
     for p in [*sources, *headers]:
-        h.update(p.name.encode())
+        # The full path, not only the name: torch's build.ninja names the sources by path, so two checkouts
+        # sharing one directory would each find the other's build out of date and rebuild it in turn.
+        h.update(str(p.resolve()).encode())
         h.update(p.read_bytes())
     h.update(repr((cflags, ldflags, torch.__version__, sys.version_info[:2])).encode())
     if any("march=native" in f for f in cflags):
