@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,21 +94,47 @@ class LoadGenerator:
 
     async def run(self, specs: Sequence[RequestSpec]) -> list[Outcome]:
         limiter = trio.CapacityLimiter(self.concurrency)
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)  # deadlines are per request
         base = len(self.outcomes)
         self.outcomes.extend(Outcome(base + i) for i in range(len(specs)))
+        async with self._client() as client:
+            async with trio.open_nursery() as nursery:
+                for i, spec in enumerate(specs):
+                    nursery.start_soon(self._one, client, limiter, spec, self.outcomes[base + i])
+        return self.outcomes[base:]
+
+    async def run_until(self, stop: trio.Event, make_spec: Callable[[int], RequestSpec]) -> list[Outcome]:
+        """``concurrency`` clients, each sending its next request (``make_spec(n)``, n counting from 0) as soon as
+        its last one ended, until ``stop`` is set; what is in flight then runs to its end. Steady load across an
+        event of unknown length (a rolling restart), with no gap between one request and the next."""
+        base = len(self.outcomes)
+        limiter = trio.CapacityLimiter(self.concurrency)
+        counter = iter(range(2**62))
+
+        async def client_loop(client: httpx.AsyncClient) -> None:
+            while not stop.is_set():
+                out = Outcome(len(self.outcomes))
+                self.outcomes.append(out)
+                await self._one(client, limiter, make_spec(next(counter)), out)
+
+        async with self._client() as client:
+            async with trio.open_nursery() as nursery:
+                for _ in range(self.concurrency):
+                    nursery.start_soon(client_loop, client)
+        return self.outcomes[base:]
+
+    @asynccontextmanager
+    async def _client(self) -> AsyncIterator[httpx.AsyncClient]:
+        """One HTTP client for a run, in a cancel scope that ``stop`` cancels."""
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)  # deadlines are per request
         scope = trio.CancelScope()
         self._scopes.add(scope)
         try:
             with scope:
                 async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
-                    async with trio.open_nursery() as nursery:
-                        for i, spec in enumerate(specs):
-                            nursery.start_soon(self._one, client, limiter, spec, self.outcomes[base + i])
+                    yield client
         finally:
             self._scopes.discard(scope)
-        return self.outcomes[base:]
 
     def stop(self) -> None:
         """End every run of this load now: whatever has not ended by itself counts as hung."""

@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 import trio
 
 from chaos.deployment import DeploymentSpec
-from chaos.drills.base import Drill, DrillContext, Sizing, ledger_checks, quiet_checks, record_outcomes
-from chaos.drills.streams import long_streams
+from chaos.drills.base import Drill, DrillContext, Sizing, ledger_checks, prompt_ids, quiet_checks, record_outcomes
+from chaos.drills.streams import COMPLETIONS
+from chaos.load import RequestSpec
 from chaos.verdict import DrillResult, check, equal
 
 
@@ -35,19 +36,18 @@ class RollingRestart(Drill):
     async def run(self, ctx: DrillContext, result: DrillResult) -> None:
         max_tokens = 200 if ctx.sizing.model == "tiny" else 64
         result.load = (f"{self.STREAMS} clients streaming back to back (/v1/completions, 32-token prompts, "
-                       f"{max_tokens} tokens each, ignore_eos) from before the roll until it ended")
-        before = await _worker_pids(ctx)
+                       f"{max_tokens}-{max_tokens + 105} tokens each, ignore_eos) from before the roll until it ended")
+        before = await _both_workers(ctx)
         since = time.time()
         load = ctx.load(self.STREAMS)
         rolled = trio.Event()
 
-        async def client() -> None:
-            while not rolled.is_set():
-                await load.run(long_streams(ctx, 1, 32, max_tokens, deadline_s=600.0))
+        def spec(n: int) -> RequestSpec:  # lengths vary so the streams do not start and end in lockstep
+            return RequestSpec(COMPLETIONS, ctx.completion(prompt_ids(ctx.rng, 32), max_tokens + 7 * (n % 16)),
+                               deadline_s=600.0)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(self.STREAMS):
-                nursery.start_soon(client)
+            nursery.start_soon(load.run_until, rolled, spec)
             streaming = await load.wait_streaming(self.STREAMS, 300.0)
             ctx.say(f"{len(load.streaming)} streams running; kvgatectl worker restart --all")
             roll = await self._roll(ctx)
@@ -85,9 +85,10 @@ class RollingRestart(Drill):
             check("kvgatectl worker restart --all succeeded", roll["rc"] == 0 and bool(steps),
                   f"rc {roll['rc']}: " + (", ".join(f"{s['worker']} pid {s['old_pid']} -> {s['new_pid']} in "
                                                     f"{s['seconds']}s" for s in steps) or roll["stderr"][-300:])),
-            check("each drained worker held streams at its drain", bool(steps) and
-                  all(s["in_flight_at_drain"] > 0 for s in steps),
-                  ", ".join(f"{s['worker']}: {s['in_flight_at_drain']}" for s in steps)),
+            # The first drain surely finds streams (all 16 run over both workers); the second usually does too, but
+            # whether its streams all ended just as the first worker came back is timing, not a verdict.
+            check("the first drain found streams to finish", bool(steps) and steps[0]["in_flight_at_drain"] > 0,
+                  "in flight at each drain: " + ", ".join(f"{s['worker']} {s['in_flight_at_drain']}" for s in steps)),
             equal("failed streams", len(failed), 0),
             check("every stream completed with [DONE]", not failed,
                   f"{len(outcomes) - len(failed)}/{len(outcomes)} completed" + (f"; {', '.join(kinds[:4])}"
@@ -95,6 +96,15 @@ class RollingRestart(Drill):
             check("both worker pids changed", set(before) == set(after) and len(after) == 2 and
                   all(before[w] != after[w] for w in before), f"before {before}, after {after}"),
         )
+
+
+async def _both_workers(ctx: DrillContext, within: float = 300.0) -> dict[str, int]:
+    """The two workers' pids, once both are live (the deployment is ready as soon as one is)."""
+    with trio.move_on_after(within):
+        while len(pids := await _worker_pids(ctx)) < 2:
+            await trio.sleep(0.2)
+        return pids
+    return await _worker_pids(ctx)
 
 
 async def _worker_pids(ctx: DrillContext) -> dict[str, int]:

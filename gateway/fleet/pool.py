@@ -328,8 +328,9 @@ class WorkerPool:
         self._retired_worker_seconds += trio.current_time() - w.joined
         self.router.forget_worker(w.worker_id)
         w.gone.set()
+        unfinished = sum(1 for h in w.requests.values() if not h.finished)  # finished ones wait for their reader
         log.log(logging.INFO if kind == "drained" else logging.WARNING, "worker %s lost (%s); failing %d in-flight "
-                "requests", w.worker_id, reason, len(w.requests))
+                "requests", w.worker_id, reason, unfinished)
         for h in w.requests.values():
             h.fail("worker_died", f"the worker serving this request failed ({reason})")
         w.requests.clear()
