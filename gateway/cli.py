@@ -63,6 +63,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="KV cache: the model's dtype (auto), bf16/fp16, or int8 with per token and head scales (CPU)")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="CPU: KV capacity in GiB instead of --kv-cache-tokens (blocks counted in the KV dtype)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -96,7 +100,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               auth_failures_per_minute=a.auth_failures_per_minute,
                               demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
-                          a.max_num_batched_tokens, a.target_step_ms, a.quantization),
+                          a.max_num_batched_tokens, a.target_step_ms, a.quantization, a.kv_cache_dtype,
+                          a.kv_cache_memory_gib),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,

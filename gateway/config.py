@@ -27,6 +27,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # None: each worker sizes it to its machine (--target-step-ms)
     target_step_ms: float | None = None
     quantization: str | None = None  # none | int8 | int4 | auto (workers.models.linear); None: the worker's
+    kv_cache_dtype: str | None = None  # auto | float32 | bfloat16 | float16 | int8; None: the worker's (auto)
+    kv_cache_memory_gib: float | None = None  # CPU KV budget in GiB instead of kv_cache_tokens
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -34,13 +36,17 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and not 1 <= v < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.kv_cache_memory_gib is not None and not 0 < self.kv_cache_memory_gib < float("inf"):
+            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
 
     def argv(self) -> list[str]:
         out = ["--device", self.device, "--dtype", self.dtype]
         if self.quantization is not None:
             out += ["--quantization", self.quantization]
+        if self.kv_cache_dtype is not None:
+            out += ["--kv-cache-dtype", self.kv_cache_dtype]
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "target_step_ms"):
+                     "target_step_ms", "kv_cache_memory_gib"):
             v = getattr(self, name)
             if v is not None:
                 out += [f"--{name.replace('_', '-')}", str(v)]

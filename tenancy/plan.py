@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tenancy.plan_model import PlanInputError
-from tenancy.plan_presets import (DEVICE_ALIASES, DEVICES, GIB, KV_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, DeviceSpec,
-                                  ModelShape, device_names)
+from tenancy.plan_presets import (DEVICE_ALIASES, DEVICES, GIB, KV_DTYPE_BYTES, KV_ROW_SCALE_BYTES, WEIGHT_DTYPE_BYTES,
+                                  DeviceSpec, ModelShape, device_names)
 
 _SAMPLES = 20000
 
@@ -122,8 +122,9 @@ class PlanInput:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
-    """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * bytes."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    """K and V, every layer, every KV head: 2 * layers * kv_heads * (head_dim * bytes + the row's scale)."""
+    row = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + KV_ROW_SCALE_BYTES.get(kv_dtype, 0)
+    return 2 * shape.num_layers * shape.num_kv_heads * row
 
 
 def decode_tokens_s(bandwidth: float, weight_bytes: float, batch: float, ctx: float, kv_token: int) -> float:

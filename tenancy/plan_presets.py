@@ -36,8 +36,10 @@ DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090"}
 # Bytes per weight. int8/int4 are our GGUF-style blocks of 32 with an fp16 scale (Q8_0: 34 B, Q4_0: 18 B per
 # 32 weights), so the scales are counted, not waved away.
 WEIGHT_DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
-# Bytes per cached K or V element. fp8/int8 per-tensor scales are a few bytes per layer: not counted.
+# Bytes per cached K or V element. fp8 per-tensor scales are a few bytes per layer: not counted. kvgate's int8
+# cache keeps an fp32 scale per token and KV head (kernels_cupy/kv_quant.py): 4 bytes per row of head_dim codes.
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+KV_ROW_SCALE_BYTES: dict[str, int] = {"int8": 4}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "auto": "fp16"}
 
 

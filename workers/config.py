@@ -8,6 +8,7 @@ from workers.core.scheduler import SchedulerConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto",) + _DTYPES + ("int8",)
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,18 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory the KV cache may take
     enable_prefix_caching: bool = True
     # "auto": the model's dtype. "bfloat16": half the bytes per cached token; decode attention on a CPU is
-    # bound by reading the cache, so this trades a little precision for speed and capacity.
+    # bound by reading the cache, so this trades a little precision for speed and capacity. "int8": symmetric
+    # int8 per token and KV head with an fp32 scale per row (kernels_cupy.kv_quant; CPU only), ~1/4 the bytes.
     kv_cache_dtype: str = "auto"
+    # CPU: KV capacity as bytes instead of tokens (None: kv_cache_tokens); the blocks that fit follow the KV
+    # dtype, so int8 gets ~3.8x the blocks of fp32 from the same budget.
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto",) + _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         # Powers of two keep slot arithmetic cheap; the CUDA backend checks the sizes its kernels support.
         if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
@@ -66,3 +73,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        # The int8 cache has a CPU kernel and a torch reference; the CUDA kernels read fp32/bf16/fp16 only.
+        if self.cache.kv_cache_dtype == "int8" and self.model.device != "cpu":
+            raise ValueError("kv_cache_dtype int8 runs on the CPU only; use auto, bfloat16 or float16 on CUDA")

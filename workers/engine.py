@@ -27,6 +27,7 @@ from workers.models.llama import LlamaConfig, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: codes + per-row scales (kernels_cupy.kv_quant)
 
 
 class Runner(Protocol):
@@ -111,10 +112,13 @@ class LLMEngine:
 
 
 def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:
-    """CPU: the configured token budget. CUDA: a share of the free memory after the weights loaded."""
+    """CPU: the configured byte budget (kv_cache_bytes) or else token budget. CUDA: a share of the free memory
+    after the weights loaded. Bytes are counted in the cache's own dtype (int8 with its scales)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return max(1, int(free * cache.gpu_memory_utilization) // bytes_per_block)
+    if cache.kv_cache_bytes is not None:
+        return max(1, cache.kv_cache_bytes // bytes_per_block)
     return cache.kv_cache_tokens // cache.block_size
 
 
@@ -131,14 +135,16 @@ def default_backend(device: torch.device) -> AttentionBackend:
 def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) -> LLMEngine:
     """Wrap an already built model (tests use tiny random ones) in a full engine."""
     device = next(model.parameters()).device
-    kv_dtype = _DTYPES[cfg.model.dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype]
-    nb = num_kv_blocks(cfg.cache, device, kv_cache_bytes_per_block(model, cfg.cache.block_size, kv_dtype))
+    kv_dtype = _KV_DTYPES[cfg.model.dtype if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype]
+    block_bytes = kv_cache_bytes_per_block(model, cfg.cache.block_size, kv_dtype)
+    nb = num_kv_blocks(cfg.cache, device, block_bytes)
     runner = ModelRunner(model, nb, cfg.cache.block_size, default_backend(device), device, kv_dtype,
                          cfg.model.seed)
     bm = BlockManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
     # A lone request must always fit in the cache, so the context limit is capped by the KV capacity.
     max_model_len = min(max_len, nb * cfg.cache.block_size)
-    log.info("KV cache: %d blocks of %d tokens; max_model_len %d", nb, cfg.cache.block_size, max_model_len)
+    log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; max_model_len %d", nb, cfg.cache.block_size,
+             str(kv_dtype).removeprefix("torch."), nb * block_bytes / 2**20, max_model_len)
     return LLMEngine(runner, Scheduler(cfg.scheduler, bm), model.cfg.vocab_size, model.cfg.eos_token_ids,
                      max_model_len)
 

@@ -33,14 +33,14 @@ class LLM:
                  block_size: int = 16, kv_cache_tokens: int = 32768, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
-                 gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  quantization: str = "auto") -> None:
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
             ModelConfig(model, device, dtype, max_model_len, seed, num_threads, quantization),
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
-                        kv_cache_dtype),
+                        kv_cache_dtype, kv_cache_bytes),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens))
         self.engine: LLMEngine
         self.engine, directory = engine_from_config(self.config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
 from workers.core.scheduler import SchedulerConfig
 
 
@@ -14,11 +14,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (the model's dtype), bfloat16/float16, or int8 (per token and head scales, CPU only)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="linear layers: none (fp32), int8/int4 (GGUF-style blocks, CPU), auto (see README)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="CPU: KV capacity in GiB instead of --kv-cache-tokens (blocks counted in the KV dtype)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -29,6 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _gib_bytes(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if not 0 < gib < float("inf"):
+        raise ValueError(f"--kv-cache-memory-gib must be a number > 0, got {gib}")
+    return int(gib * 2**30)
+
+
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The engine's config; with no --max-num-batched-tokens the worker replaces 512 by a measured budget."""
     target = getattr(a, "target_step_ms", None)
@@ -37,5 +48,6 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     budget = a.max_num_batched_tokens
     return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed,
                                     quantization=getattr(a, "quantization", "auto")),
-                        CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype),
+                        CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
+                                    _gib_bytes(getattr(a, "kv_cache_memory_gib", None))),
                         SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget))
