@@ -8,13 +8,14 @@ by field on the way back. The wire layout (a type tag, then the fields in declar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 4  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
-# request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict)
+PROTOCOL_VERSION = 5  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+# request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
+# 5: speculative-decoding counters in Stats
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -134,6 +135,11 @@ class Stats:
     steps_done: int  # engine steps completed since start
     step_elapsed: float | None  # seconds the current step has run; None between steps
     request_ids: list[str]  # every request the engine holds (running, waiting, preempted): reconciliation
+    # speculative decoding, cumulative (vLLM's spec_decode counters; zeros when it is off)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position
 
 
 @dataclass(frozen=True, slots=True)

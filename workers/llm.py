@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.outputs import EngineStats, StepOutput, TokenLogprobs
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
+from workers.core.spec_decode import SpeculativeConfig
 from workers.engine import LLMEngine, engine_from_config
 
 Prompt = str | Sequence[int]
@@ -34,14 +36,16 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None) -> None:
+        """``speculative_config``: vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError."""
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
             ModelConfig(model, device, dtype, max_model_len, seed, num_threads, quantization),
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype, kv_cache_bytes),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens))
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config)))
         self.engine: LLMEngine
         self.engine, directory = engine_from_config(self.config)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(directory)
@@ -121,3 +125,9 @@ def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
+
+
+def _speculative(cfg: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    if cfg is None:
+        return None
+    return SpeculativeConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))

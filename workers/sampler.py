@@ -29,7 +29,7 @@ class Sampler:
         # logits: (S, V) fp32, row i belongs to reqs[i]
         want_lp = [r.params.logprobs for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
-        logits = self._mask_early_stop(self._penalize(logits, reqs), reqs)
+        logits = self.process(logits, reqs)
         tokens = torch.argmax(logits, dim=-1)  # (S,) greedy for every row, random rows overwritten
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
@@ -37,6 +37,10 @@ class Sampler:
         ids = tokens.tolist()
         return [SampledToken(t, _logprobs(raw_lp[i], t, n) if raw_lp is not None and n is not None else None)
                 for i, (t, n) in enumerate(zip(ids, want_lp))]
+
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Penalties, then the min_tokens mask: the logits greedy rows take the argmax of."""
+        return self._mask_early_stop(self._penalize(logits, reqs), reqs)
 
     def _penalize(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -70,6 +74,11 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         # logits: (R, V) -> (R,) token ids
+        return self.race(self.random_probs(logits, reqs), reqs)
+
+    def random_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """(R, V) penalized logits of random rows -> the (R, V) distribution they are sampled from (after
+        temperature, top-k, top-p and min-p; not renormalized after min-p: the race does not need it)."""
         temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)[:, None]
         logits = logits / temps
         logits = self._top_k_top_p(logits, reqs)
@@ -77,10 +86,18 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)[:, None]
         if bool((min_p > 0).any()):
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+        return probs
+
+    def race(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One draw per row from (unnormalized) ``probs``: the exponential race argmax(p / q), q ~ Exp(1)."""
         q = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             q[i].exponential_(generator=self._generator_for(r))
         return torch.argmax(probs / q, dim=-1)
+
+    def uniform(self, r: Request) -> float:
+        """A U[0, 1) draw from the request's generator (speculative decoding's accept test)."""
+        return float(torch.rand((), generator=self._generator_for(r), device=self.device))
 
     def _generator_for(self, r: Request) -> torch.Generator:
         if r.params.seed is None:

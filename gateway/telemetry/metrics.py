@@ -30,7 +30,22 @@ _WORKER_METRICS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
     ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", lambda s: s.prompt_tokens_total),
     ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
      lambda s: s.generation_tokens_total),
+    ("vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.",
+     lambda s: s.spec_num_drafts),
+    ("vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.",
+     lambda s: s.spec_num_draft_tokens),
+    ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.",
+     lambda s: s.spec_num_accepted_tokens),
 )
+
+
+def _accepted_per_pos(workers: list[WorkerState], model_name: str) -> list[str]:
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines = [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
+    for w in workers:
+        for pos, n in enumerate([] if w.stats is None else w.stats.spec_accepted_per_pos):
+            lines.append(f"{name}{_labels(model_name=model_name, worker=w.worker_id, position=str(pos))} {n}")
+    return lines
 
 
 def _escape(value: str) -> str:
@@ -112,6 +127,7 @@ def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None
         for w in workers:
             if w.stats is not None:
                 lines.append(f"{name}{_labels(model_name=model_name, worker=w.worker_id)} {_num(get(w.stats))}")
+    lines += _accepted_per_pos(workers, model_name)
     lines += ["# HELP kvgate:workers_ready Workers that said Hello and are alive.",
               "# TYPE kvgate:workers_ready gauge",
               f"kvgate:workers_ready{_labels(model_name=model_name)} {len(workers)}",

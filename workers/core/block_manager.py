@@ -143,6 +143,23 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Speculative decoding's rollback: free the tail blocks that hold none of the request's first
+        ``num_tokens`` tokens (they were allocated for drafted tokens the model rejected). Such blocks were
+        taken from the free list this step, hold no hash and no other user, so they go to its very front."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt != 0 or block.block_hash is not None:
+                raise RuntimeError(f"trimmed block {block_id} is shared or cached")
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_cnt == 0:

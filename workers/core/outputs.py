@@ -16,12 +16,21 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     block_table: list[int]  # the block manager's live table for the request (read-only for the runner)
+    # Speculative decoding: drafted tokens appended after the request's last token, counted in num_new_tokens
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token, so a new token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(self.spec_token_ids)
+
+    def input_token_ids(self) -> list[int]:
+        """The step's query tokens: the next uncomputed ones, then the draft (if any)."""
+        start = self.request.num_computed_tokens
+        k = len(self.spec_token_ids)
+        ids = self.request.tokens_in(start, start + self.num_new_tokens - k)
+        return ids + list(self.spec_token_ids) if k else ids
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,11 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
+
+
+# What the runner returns per sampled request: one token, or (a request with a draft) the accepted draft
+# tokens followed by the model's own token.
+Sampled = SampledToken | list[SampledToken]
 
 
 @dataclass(frozen=True)
@@ -79,3 +93,8 @@ class EngineStats:
     prefix_hits: int  # tokens
     prompt_tokens_total: int
     generation_tokens_total: int
+    # speculative decoding (vLLM's spec_decode counters), cumulative; zeros when it is off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from workers.core.sampling_params import SamplingParams
+from workers.core.spec_decode import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +61,7 @@ class Request:
     scheduled_time: float | None = None  # first admitted to a batch; a preempted request keeps its first
     first_token_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding: draft and acceptance EMA
 
     @property
     def num_prompt_tokens(self) -> int:

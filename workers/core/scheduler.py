@@ -8,19 +8,23 @@ order, their prompts split into chunks that fit the remaining budget.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from workers.core.block_manager import BlockManager
 from workers.core.fair_queue import FairQueue
-from workers.core.outputs import RequestTimings, SampledToken, ScheduledRequest, SchedulerOutput, StepOutput
+from workers.core import spec_decode
+from workers.core.outputs import (RequestTimings, Sampled, SampledToken, ScheduledRequest, SchedulerOutput, StepOutput,
+                                  TokenLogprobs)
 from workers.core.request import Request, RequestStatus
+from workers.core.spec_decode import SpecCounters, SpeculativeConfig
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -42,6 +46,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec_counters = SpecCounters()
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -91,6 +96,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = self._draft(req, budget) if n == 1 else []
+            # A draft never preempts anyone: it runs only where its blocks are free with one block to spare
+            # for every request after it (each may need a new block this step).
+            spare = self.bm.num_free_blocks - self.bm.blocks_needed(len(draft)) - (len(self.running) - i)
+            if draft and spare >= 0 and self.bm.allocate_slots(req, 1 + len(draft)):
+                out.append(ScheduledRequest(req, 1 + len(draft), self.bm.block_table(req.request_id),
+                                            tuple(draft)))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.bm.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted has the least sunk work
                 self._preempt(victim)
@@ -101,6 +116,26 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """The n-gram draft for a decoding request, within the token budget, the context limit and its
+        max_tokens (tokens past a finish would be wasted), or [] where the back-off rule says no."""
+        cfg = self.config.speculative
+        if cfg is None or req.params.structured is not None:
+            return []
+        p = req.params
+        room = min(budget, req.max_total_tokens - req.num_tokens + 1) - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(req.output_token_ids) - 1)
+        state = req.spec
+        if room < 1 or not spec_decode.may_draft(state, cfg, len(self.running)):
+            spec_decode.update_acceptance(state, 0, 0)
+            return []
+        draft = spec_decode.propose_ngram(req.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                                          min(cfg.num_speculative_tokens, room))
+        if not draft:
+            spec_decode.update_acceptance(state, 0, 0)
+        return draft
 
     def _schedule_waiting(self, budget: int, out: list[ScheduledRequest]) -> int:
         bs = self.bm.block_size
@@ -138,7 +173,9 @@ class Scheduler:
         self.waiting.push_front(req)
 
     # ---- results -----------------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepOutput]:
+    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[str, Sampled]) -> list[StepOutput]:
+        """``sampled``: per request that sampled, its token, or (with a draft) the accepted draft tokens and the
+        model's own token after them."""
         outputs = self.take_finished_unreported()
         now = self.clock()  # the step's results exist from here on
         for s in plan.scheduled:
@@ -146,25 +183,47 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 raise RuntimeError(f"{req.anon_repr()} changed state while its step ran")
             samples = s.samples
-            req.num_computed_tokens += s.num_new_tokens
+            k = len(s.spec_token_ids)
+            got = sampled[req.request_id] if samples else None
+            toks = [got] if isinstance(got, SampledToken) else list(got or [])
+            if k:  # only the accepted draft tokens' K/V are valid; the rest of the slots are rolled back
+                accepted = len(toks) - 1
+                if not 0 <= accepted <= k or [t.token_id for t in toks[:accepted]] != list(s.spec_token_ids[:accepted]):
+                    raise RuntimeError(f"{req.anon_repr()}: {len(toks)} tokens for a draft of {k}")
+                req.num_computed_tokens += s.num_new_tokens - k + accepted
+                self.bm.trim(req.request_id, req.num_computed_tokens)
+                self.spec_counters.record(k, accepted)
+                spec_decode.update_acceptance(req.spec, k, accepted)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_full_blocks(req)
             if samples and not req.output_token_ids:  # the prompt is done, counted once
                 self.prompt_tokens_total += req.num_prompt_tokens
             if not samples:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            tok = sampled[req.request_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
+            outputs.append(self._append(req, toks, now))
+        return outputs
+
+    def _append(self, req: Request, toks: list[SampledToken], now: float) -> StepOutput:
+        """Append the step's tokens until one finishes the request (the rest of an accepted run is dropped)."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        new: list[int] = []
+        lps: list[TokenLogprobs] = []
+        status: RequestStatus | None = None
+        for tok in toks:
             req.output_token_ids.append(tok.token_id)
+            new.append(tok.token_id)
+            if tok.logprobs is not None:
+                lps.append(tok.logprobs)
             self.generation_tokens_total += 1
             status = req.check_stop(tok.token_id)
             if status is not None:
                 self._finish(req, status)
-            lp = [tok.logprobs] if tok.logprobs is not None else None
-            timings = _timings(req, now) if status is not None else None
-            outputs.append(StepOutput(req.request_id, [tok.token_id], req.status.finish_reason,
-                                      req.num_cached_tokens, lp, None, timings))
-        return outputs
+                break
+        timings = _timings(req, now) if status is not None else None
+        return StepOutput(req.request_id, new, req.status.finish_reason, req.num_cached_tokens, lps or None, None,
+                          timings)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
