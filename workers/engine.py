@@ -16,7 +16,7 @@ import torch
 from kernels_cupy.interface import AttentionBackend
 from workers.config import CacheConfig, EngineConfig
 from workers.core.block_manager import BlockManager
-from workers.core.outputs import EngineStats, SampledToken, SchedulerOutput, StepOutput
+from workers.core.outputs import EngineStats, Sampled, SchedulerOutput, StepOutput
 from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
@@ -31,7 +31,7 @@ _KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: codes + per-row scales (ke
 
 
 class Runner(Protocol):
-    def execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]: ...
+    def execute(self, plan: SchedulerOutput) -> dict[str, Sampled]: ...
     def release(self, request_id: str) -> None: ...
 
 
@@ -102,13 +102,15 @@ class LLMEngine:
         s, bm = self.scheduler, self.scheduler.bm
         s.num_preemptions = s.prompt_tokens_total = s.generation_tokens_total = 0
         bm.prefix_queries = bm.prefix_hits = 0
+        s.spec_counters.reset()
         self.last_num_batched_tokens = 0
 
     def stats(self) -> EngineStats:
-        s, bm = self.scheduler, self.scheduler.bm
+        s, bm, sc = self.scheduler, self.scheduler.bm, self.scheduler.spec_counters
         return EngineStats(bm.num_blocks, bm.num_free_blocks, bm.usage, len(s.running), len(s.waiting),
                            s.num_preemptions, bm.prefix_queries, bm.prefix_hits,
-                           s.prompt_tokens_total, s.generation_tokens_total)
+                           s.prompt_tokens_total, s.generation_tokens_total, sc.num_drafts, sc.num_draft_tokens,
+                           sc.num_accepted_tokens, tuple(sc.accepted_per_pos))
 
 
 def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:

@@ -12,7 +12,8 @@ import torch
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
 from kernels_cupy.kv_quant import row_bytes, row_width
-from workers.core.outputs import SampledToken, ScheduledRequest, SchedulerOutput
+from workers import spec_verify
+from workers.core.outputs import Sampled, ScheduledRequest, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler
 
@@ -48,12 +49,11 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, plan: SchedulerOutput) -> dict[str, Sampled]:
         inputs = self.prepare(plan)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
                             inputs.logits_indices)  # (S, V)
-        tokens = self.sampler.sample(logits, [s.request for s in inputs.sampled])
-        return {s.request.request_id: t for s, t in zip(inputs.sampled, tokens)}
+        return spec_verify.sample_step(self.sampler, logits, inputs.sampled)  # drafts verified there
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -66,16 +66,16 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
         for s in order:
-            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids.extend(r.tokens_in(start, start + n))
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.input_token_ids())  # with a draft: the last token, then the drafted ones
             p = range(start, start + n)
             pos.extend(p)
             table = s.block_table
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             qlens.append(n)
             slens.append(start + n)
-            if s.samples:
-                logits_rows.append(len(ids) - 1)
+            if s.samples:  # a draft of k tokens: k + 1 rows, verified together
+                logits_rows.extend(range(len(ids) - 1 - len(s.spec_token_ids), len(ids)))
                 sampled.append(s)
         max_blocks = max(-(-L // bs) for L in slens)
         tables = [s.block_table[: -(-L // bs)] for s, L in zip(order, slens)]

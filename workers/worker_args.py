@@ -6,6 +6,7 @@ import argparse
 
 from workers.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
 from workers.core.scheduler import SchedulerConfig
+from workers.core.spec_decode import SpeculativeConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the step time the measured token budget aims at (default: 500 on a CPU, 100 on a GPU)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None, metavar="JSON", type=speculative_arg,
+                   help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
+                        '3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (optional: disable_by_batch_size, '
+                        'acceptance_threshold; see docs/ARCHITECTURE.md)')
+
+
+def speculative_arg(text: str) -> SpeculativeConfig:
+    """argparse type: a bad config is a usage error that says what is wrong, before the model loads."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _gib_bytes(gib: float | None) -> int | None:
@@ -46,8 +59,9 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     if target is not None and not 0 < target < float("inf"):
         raise ValueError(f"--target-step-ms must be a number > 0, got {target}")
     budget = a.max_num_batched_tokens
+    speculative: SpeculativeConfig | None = getattr(a, "speculative_config", None)
     return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed,
                                     quantization=getattr(a, "quantization", "auto")),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     _gib_bytes(getattr(a, "kv_cache_memory_gib", None))),
-                        SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget))
+                        SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative))

@@ -163,7 +163,8 @@ class WorkerIO:
         return Stats(self.hello.worker_id, s.num_running, s.num_waiting, s.kv_usage, s.num_free_blocks,
                      s.num_total_blocks, s.num_preemptions, s.prefix_queries, s.prefix_hits,
                      s.prompt_tokens_total, s.generation_tokens_total, time.time(), self.clock.steps_done,
-                     self.clock.elapsed(), ids)
+                     self.clock.elapsed(), ids, s.spec_num_drafts, s.spec_num_draft_tokens,
+                     s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
 
     def _run(self) -> None:
         try:
