@@ -1,6 +1,6 @@
 """Drain and rolling restart of real workers over HTTP (issue 14 item 5), on the tiny model: two workers behind one
 gateway, 16 clients streaming back to back while ``kvgatectl worker restart --all`` drains each worker in turn and
-waits for its fresh process. Every stream completes ([DONE], usage = max_tokens with ignore_eos), each drained
+waits for its fresh process. Every stream completes ([DONE], usage = max_tokens with ignore_eos), the first drained
 worker held streams when its drain began, and both worker pids change. No timed assertion: every wait is bounded
 generously and only what happened is checked."""
 
@@ -24,21 +24,22 @@ from tests.test_gateway_two_workers import _wait_workers, _workers, srv  # noqa:
 pytestmark = pytest.mark.timeout(900)
 
 CLIENTS = 16
-MAX_TOKENS = 48
+MAX_TOKENS = 40  # client i asks for MAX_TOKENS + 3 * i: streams of different lengths do not end in lockstep
 
 
 @dataclass
 class Stream:
+    max_tokens: int
     status: int = 0
     done: bool = False  # saw data: [DONE]
     completion_tokens: int | None = None
     error: Any = None
 
 
-async def _stream(client: httpx.AsyncClient, srv: Server, seed: int) -> Stream:
-    body = {"model": MODEL, "prompt": ids_prompt(12, seed), "max_tokens": MAX_TOKENS, "temperature": 0,
+async def _stream(client: httpx.AsyncClient, srv: Server, seed: int, max_tokens: int) -> Stream:
+    body = {"model": MODEL, "prompt": ids_prompt(12, seed), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    out = Stream()
+    out = Stream(max_tokens)
     async with client.stream("POST", f"{srv.url}/v1/completions", json=body, headers=srv.headers) as r:
         out.status = r.status_code
         async for line in r.aiter_lines():
@@ -67,7 +68,7 @@ async def _roll_under_load(srv: Server) -> tuple[list[Stream], subprocess.Comple
         n = 0
         while not rolled.is_set():
             n += 1
-            streams.append(await _stream(client, srv, 10_000 * i + n))
+            streams.append(await _stream(client, srv, 10_000 * i + n, MAX_TOKENS + 3 * i))
             if len(streams) >= CLIENTS:
                 running.set()
 
@@ -101,8 +102,10 @@ def test_rolling_restart_under_16_streams_fails_none(srv: Server) -> None:
     assert roll.returncode == 0, roll.stderr.decode(errors="replace")
     result = json.loads(roll.stdout)["data"]
     assert [r["worker"] for r in result] == ["w0", "w1"]
-    assert all(r["in_flight_at_drain"] > 0 for r in result), result  # each drain had streams to finish
-    bad = [s for s in streams if not (s.status == 200 and s.done and s.completion_tokens == MAX_TOKENS
+    # The first drain had streams to finish (16 clients run over both workers). The second usually has too, but
+    # whether all of them ended just as the first worker came back is timing: not asserted.
+    assert result[0]["in_flight_at_drain"] > 0, result
+    bad = [s for s in streams if not (s.status == 200 and s.done and s.completion_tokens == s.max_tokens
                                       and s.error is None)]
     assert not bad and len(streams) > CLIENTS, (len(streams), bad[:5])
     after = {r["worker"]: r["hello"]["pid"] for r in _wait_workers(srv, 2)}
