@@ -41,6 +41,8 @@ class Result:
     ok: bool
     prompt_len: int
     output_tokens: int = 0
+    expected: int = 0  # max_tokens asked (with ignore_eos, what a server honouring it returns)
+    chunks: int = 0  # streamed chunks with text: a count of tokens that does not trust the server's usage
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -75,7 +77,8 @@ def make_workload(a: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def output_lengths(a: argparse.Namespace) -> list[int]:
-    return _lengths(a.random_output_len, a.random_range_ratio, a.num_prompts, random.Random(a.seed + 1))
+    ratio = a.random_range_ratio if a.output_range_ratio is None else a.output_range_ratio
+    return _lengths(a.random_output_len, ratio, a.num_prompts, random.Random(a.seed + 1))
 
 
 def chat_text(prompt: list[int]) -> str:
@@ -95,13 +98,16 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
 async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max_tokens: int) -> Result:
     # min_tokens as well as ignore_eos: servers without ignore_eos (llama-cpp-python's) honour min_tokens.
     body: dict[str, Any] = {"model": a.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                            "min_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                            "min_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                            "seed": a.seed}
+    if a.send_n_predict:  # llama-server's own name for the output length
+        body["n_predict"] = max_tokens
     if a.chat:
         body["messages"] = [{"role": "user", "content": chat_text(prompt)}]
     else:
         body["prompt"] = prompt
     route = "/v1/chat/completions" if a.chat else "/v1/completions"
-    res = Result(False, len(prompt))
+    res = Result(False, len(prompt), expected=max_tokens)
     t0 = time.perf_counter()
     last = t0
     try:
@@ -122,6 +128,7 @@ async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max
                     res.prompt_len = data["usage"]["prompt_tokens"]  # chat: the template's tokens included
                 choice = data["choices"][0] if data.get("choices") else {}
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    res.chunks += 1
                     if res.ttft == 0.0:
                         res.ttft = now - t0
                     else:
@@ -130,7 +137,7 @@ async def one_request(client: Any, a: argparse.Namespace, prompt: list[int], max
         res.e2e = time.perf_counter() - t0
         res.ok = res.ttft > 0
         if res.ok and res.output_tokens == 0:  # no usage chunk (llama-cpp-python): one token per chunk
-            res.output_tokens = len(res.itl) + 1
+            res.output_tokens = res.chunks
     except Exception as e:  # a benchmark reports failures, it does not stop on them
         res.error = type(e).__name__
     return res
@@ -165,6 +172,7 @@ def run_engine(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Re
 
     llm = LLM(a.model, kv_cache_tokens=a.kv_cache_tokens)
     params = SamplingParams(max_tokens=a.random_output_len, temperature=0.0, ignore_eos=True)
+    # (the engine backend runs every request at --random-output-len; the HTTP one draws each length)
     gaps = arrival_gaps(len(prompts), a.request_rate, a.seed)
     arrivals = list(np.cumsum(gaps))
     limit = a.max_concurrency or len(prompts)
@@ -212,6 +220,11 @@ def summarize(results: list[Result], duration: float, percentiles: list[float]) 
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "errors": sorted({r.error for r in results if r.error}),
+        # ignore_eos honoured: every completed request returned the length it asked for (by usage; chunks beside it)
+        "wrong_length_outputs": sum(r.output_tokens != r.expected for r in ok if r.expected),
+        "total_chunks": sum(r.chunks for r in ok),
+        # prefill speed as a client sees it: prompt tokens over time to first token (queueing included at c > 1)
+        "median_prompt_tok_s": float(np.median([r.prompt_len / r.ttft for r in ok if r.ttft > 0] or [0.0])),
     }
     series = {"ttft": [r.ttft for r in ok], "e2el": [r.e2e for r in ok],
               "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
@@ -231,6 +244,7 @@ def print_table(s: dict[str, Any], a: argparse.Namespace) -> None:
             ("Request rate (req/s)", a.request_rate), ("Successful requests", s["completed"]),
             ("Failed requests", s["failed"]), ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
             ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
+            ("Streamed text chunks", s["total_chunks"]), ("Outputs not of the asked length", s["wrong_length_outputs"]),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
@@ -258,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix-len", type=int, default=0)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="input and output lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's flag)")
+    p.add_argument("--output-range-ratio", type=float, default=None,
+                   help="the range ratio of output lengths alone (default: --random-range-ratio)")
+    p.add_argument("--send-n-predict", action="store_true", help="also send n_predict = max_tokens (llama-server)")
     p.add_argument("--chat", action="store_true",
                    help="send /v1/chat/completions with a text message of about --random-input-len words")
     p.add_argument("--request-rate", type=float, default=float("inf"))
