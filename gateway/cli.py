@@ -73,6 +73,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="tokens per engine step (default: each worker sizes it to its machine)")
     g.add_argument("--target-step-ms", type=float, default=None,
                    help="step time the sized budget aims at (default: 500 on a CPU, 100 on a GPU)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
+                        '3, "prompt_lookup_max": 3}\' (see README)')
     o = p.add_argument_group("observability")
     o.add_argument("--gpu-hour-cost", type=float, default=None,
                    help="price of one worker (GPU) per hour; /metrics then shows kvgate:cost_per_1k_tokens")
@@ -101,7 +104,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
                           a.max_num_batched_tokens, a.target_step_ms, a.quantization, a.kv_cache_dtype,
-                          a.kv_cache_memory_gib),
+                          a.kv_cache_memory_gib, a.speculative_config),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from common.speculative import SpeculativeConfig
 from gateway.fleet.worker_auth import WorkerSecurity
 
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
@@ -29,6 +30,7 @@ class EngineArgs:
     quantization: str | None = None  # none | int8 | int4 | auto (workers.models.linear); None: the worker's
     kv_cache_dtype: str | None = None  # auto | float32 | bfloat16 | float16 | int8; None: the worker's (auto)
     kv_cache_memory_gib: float | None = None  # CPU KV budget in GiB instead of kv_cache_tokens
+    speculative_config: str | None = None  # JSON, vLLM's shape (common.speculative); None: off
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -38,6 +40,8 @@ class EngineArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if self.kv_cache_memory_gib is not None and not 0 < self.kv_cache_memory_gib < float("inf"):
             raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_json(self.speculative_config)  # a bad one fails here, before workers start
 
     def argv(self) -> list[str]:
         out = ["--device", self.device, "--dtype", self.dtype]
@@ -50,6 +54,8 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None:
                 out += [f"--{name.replace('_', '-')}", str(v)]
+        if self.speculative_config is not None:
+            out += ["--speculative-config", self.speculative_config]
         return out
 
 

@@ -181,3 +181,32 @@ def test_no_drafts_in_a_large_batch_and_drafts_never_preempt() -> None:
 
 def plan_of(out: SchedulerOutput) -> dict[str, int]:
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
+
+
+# ---- config on `kvgate serve`, counters on the wire and in /metrics ------------------------------------
+def test_serve_flag_validated_and_forwarded() -> None:
+    from gateway.config import EngineArgs
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    assert EngineArgs(speculative_config=text).argv()[-2:] == ["--speculative-config", text]
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, '
+                                      '"prompt_lookup_max": 4}')
+
+
+def test_spec_counters_travel_in_stats_and_render_as_vllm_metrics() -> None:
+    from types import SimpleNamespace
+
+    from gateway.telemetry.metrics import _WORKER_METRICS, _accepted_per_pos
+    from ipc.codec import decode, encode
+    from ipc.messages import Stats
+
+    st = Stats("w0", 1, 0, 0.5, 10, 20, 0, 0, 0, 5, 9, 1.0, 3, None, ["a"], 4, 12, 7, [4, 2, 1])
+    back = decode(encode(st))
+    assert back == st
+    values = {name: get(back) for name, _, _, get in _WORKER_METRICS}
+    assert (values["vllm:spec_decode_num_drafts_total"], values["vllm:spec_decode_num_draft_tokens_total"],
+            values["vllm:spec_decode_num_accepted_tokens_total"]) == (4, 12, 7)
+    lines = _accepted_per_pos([SimpleNamespace(worker_id="w0", stats=back)], "m")  # type: ignore[list-item]
+    assert lines[2:] == [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",worker="w0",'
+                         f'position="{i}"}} {n}' for i, n in enumerate([4, 2, 1])]
