@@ -2,7 +2,10 @@
 (bench/data/quality_text.txt, 2,910 tokens) and top-1 agreement of every position's argmax with fp32 (``none``).
 Prefill runs in chunks of --chunk tokens, as serving does.
 
-    .venv/bin/python bench/quality.py [--modes none,int8,int4] [--chunk 256]
+    .venv/bin/python bench/quality.py [--modes none,int8,int4] [--kv float32,int8] [--chunk 256]
+
+``--kv`` adds KV cache dtypes (each mode runs with each; int8 is kernels_cupy.kv_quant: per token and head
+scales); agreement is against the first mode with the first KV dtype.
 
 Thresholds (stated in bench/RESULTS.md): int8 within 1% of fp32's perplexity and >= 97% top-1 agreement;
 int4 on a Q4 GGUF runs the same weights as fp32 (the GGUF de-quantized), so it must meet the same bounds.
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--modes", default="none,int8,int4")
+    ap.add_argument("--kv", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16, int8)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -48,15 +52,18 @@ def main() -> None:
     for mode in a.modes.split(","):
         cfg = EngineConfig(ModelConfig(a.model, quantization=mode, max_model_len=len(ids) + 1))
         model, _ = build_model(llama_cfg, dict(sd), cfg, gguf_source(a.model))
-        t0 = time.perf_counter()
-        logits = sequence_logits(model, ids, default_backend(torch.device("cpu")), chunk=a.chunk)[:-1]
-        secs = time.perf_counter() - t0
-        ppl = math.exp(F.cross_entropy(logits, target).item())
-        top1 = logits.argmax(-1)
-        base = top1 if base is None else base
-        agree = (top1 == base).float().mean().item()
-        print(json.dumps({"mode": mode, "tokens": len(ids), "chunk": a.chunk, "perplexity": round(ppl, 4),
-                          "top1_agreement_vs_first": round(agree, 4), "seconds": round(secs, 2)}))
+        for kv in a.kv.split(","):
+            t0 = time.perf_counter()
+            logits = sequence_logits(model, ids, default_backend(torch.device("cpu")), chunk=a.chunk,
+                                     kv_dtype=getattr(torch, kv))[:-1]
+            secs = time.perf_counter() - t0
+            ppl = math.exp(F.cross_entropy(logits, target).item())
+            top1 = logits.argmax(-1)
+            base = top1 if base is None else base
+            agree = (top1 == base).float().mean().item()
+            print(json.dumps({"mode": mode, "kv": kv, "tokens": len(ids), "chunk": a.chunk,
+                              "perplexity": round(ppl, 4), "top1_agreement_vs_first": round(agree, 4),
+                              "seconds": round(secs, 2)}), flush=True)
 
 
 if __name__ == "__main__":
