@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_gateway_support import MODEL, Server, alive, start_server, wait_idle
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -96,10 +97,7 @@ def test_worker_sigkill_mid_stream_ends_with_error_then_recovers(chaos_server: S
     assert set(errors[-1]["error"]) == {"message", "type", "param", "code"}
 
     # /ready reflects the loss until the supervisor's restart says Hello again (unless it was very fast)
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{srv.url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, srv.log()[-3000:]
-        time.sleep(0.1)
+    _wait_ready_again(srv)
     assert srv.worker_pids() and srv.worker_pids()[0] != pid
     assert _restarts(srv) == restarts_before + 1
     r2 = httpx.post(f"{srv.url}/v1/completions", headers=srv.headers, timeout=30,
@@ -107,22 +105,27 @@ def test_worker_sigkill_mid_stream_ends_with_error_then_recovers(chaos_server: S
     assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] >= 1
 
 
+def _wait_ready_again(srv: Server) -> None:
+    """/ready true once the supervisor's restarted worker says Hello (its log tail on failure)."""
+    try:
+        wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code, lambda code: code == 200, within=60.0,
+                   what="/ready true again", interval=0.1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{srv.log()[-3000:]}") from None
+
+
 def test_no_worker_means_503_with_retry_after(chaos_server: Server) -> None:
     srv = chaos_server
     [pid] = srv.worker_pids()
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{srv.url}/ready").status_code == 200:  # the gateway notices at once (process exit)
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # The gateway notices at once (process exit).
+    wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code, lambda code: code != 200, within=5.0,
+               what="/ready false after the worker died", interval=0.02)
     r = httpx.post(f"{srv.url}/v1/completions", headers=srv.headers, timeout=30,
                    json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
     if r.status_code == 503:  # (the restart may already have won the race)
         assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "no_worker"
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{srv.url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, srv.log()[-3000:]
-        time.sleep(0.1)
+    _wait_ready_again(srv)
 
 
 def test_gateway_sigkill_leaves_no_worker(chaos_server: Server) -> None:
@@ -131,7 +134,5 @@ def test_gateway_sigkill_leaves_no_worker(chaos_server: Server) -> None:
     assert pids
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} outlived the gateway"
-        time.sleep(0.05)
+    wait_until(lambda: [p for p in pids if alive(p)], lambda living: not living, within=10.0,
+               what="the workers gone with the gateway")

@@ -8,7 +8,6 @@ engine, stop strings, logprobs, the auxiliary routes, the bad-input table (4xx i
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import trio
 
 from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, start_server, wait_idle
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -244,13 +244,9 @@ def test_bad_key_and_unknown_route(server: Server) -> None:
 # ---- cancellation -----------------------------------------------------------------------------
 
 def _wait_busy(server: Server) -> None:
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:  # Stats arrive every 0.5 s: the first may predate the request
-        running, kv = metrics(server)
-        if running == 1 and kv > 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the request never showed up as running on the worker")
+    # Stats arrive every 0.5 s: the first may predate the request.
+    wait_until(lambda: metrics(server), lambda m: m[0] == 1 and m[1] > 0, within=3.0,
+               what="the request running on the worker")
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -6,7 +6,6 @@ canary string in no log line at all, and neither does a request refused before a
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 from tests.tenancy_support import kvgatectl, make_tenant
 from tests.test_gateway_support import MODEL, Server, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,12 +39,8 @@ def _finished_lines(srv: Server) -> list[dict[str, Any]]:
 
 def _wait_finished(srv: Server, request_ids: set[str], within: float = 2.0) -> dict[str, dict[str, Any]]:
     """The request_finished line of each id, waiting up to `within` seconds for the last of them to land."""
-    deadline = time.monotonic() + within
-    while True:
-        by_id = {str(rec["request_id"]): rec for rec in _finished_lines(srv)}
-        if request_ids <= set(by_id) or time.monotonic() > deadline:
-            return by_id
-        time.sleep(0.05)
+    return wait_until(lambda: {str(rec["request_id"]): rec for rec in _finished_lines(srv)},
+                      lambda by_id: request_ids <= set(by_id), within=within, what=f"request_finished of {request_ids}")
 
 
 def _completion(srv: Server, key: str, prompt: str) -> httpx.Response:
@@ -109,13 +105,23 @@ def test_only_the_opted_in_tenant_gets_its_text_logged(srv: Server) -> None:
         ("request_finished", on.json()["id"]), ("request_finished", chat_id)]
 
 
+def _logs_prompt(srv: Server, key: str) -> bool:
+    probe = _completion(srv, key, "probe")
+    assert probe.status_code == 200
+    request_id = probe.json()["id"]
+    return "prompt" in _wait_finished(srv, {request_id})[request_id]
+
+
 def test_switching_off_stops_the_text_within_the_auth_cache_ttl(srv: Server) -> None:
     _, key = make_tenant(srv, "flip")
     assert kvgatectl(srv, "tenant", "set-log-text", "flip", "on").returncode == 0
     first = _completion(srv, key, "warm the auth cache")
     assert first.status_code == 200
     assert kvgatectl(srv, "tenant", "set-log-text", "flip", "off").returncode == 0
-    time.sleep(1.2)  # past the gateway's 1 s principal cache: kvgatectl --db cannot drop it
+    # The gateway caches the principal for 1 s (kvgatectl --db cannot drop it): probe until a request stops
+    # carrying its prompt, then send the canary.
+    wait_until(lambda: _logs_prompt(srv, key), lambda logged: not logged, within=4.0, what="log text switched off",
+               interval=0.1)
     canary = "dormouse-canary-51b7"
     second = _completion(srv, key, f"say {canary}")
     assert second.status_code == 200

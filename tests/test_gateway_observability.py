@@ -6,7 +6,6 @@ line. Metrics: /metrics parsed with prometheus_client's parser moves by exactly 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tenancy.models import Quota
 from tests.tenancy_support import make_tenant
 
 from tests.test_gateway_support import MODEL, Server, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,11 +54,9 @@ def test_canary_never_logged_and_each_request_logs_one_line(srv: Server) -> None
             "model": MODEL, "prompt": CANARY * 3, "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
         next(line for line in r.iter_lines() if line.startswith("data: "))  # then hang up mid-stream
     # The ledger's rows are in, so the lines are written; let the cut stream's line land too.
-    for _ in range(50):
-        lines = _gateway_json_lines(srv)
-        if sum(rec.get("event") == "request_finished" for rec in lines) >= 3:
-            break
-        time.sleep(0.1)
+    lines = wait_until(lambda: _gateway_json_lines(srv),
+                       lambda lines: sum(rec.get("event") == "request_finished" for rec in lines) >= 3,
+                       within=5.0, what="three request_finished lines")
     assert CANARY not in srv.log()
     finished = [rec for rec in lines if rec.get("event") == "request_finished"]
     assert sorted(str(rec["status"]) for rec in finished) == ["cancelled", "length", "length"]

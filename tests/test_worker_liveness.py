@@ -29,6 +29,7 @@ import pytest
 
 from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, REPO, Server, alive, deployment_env, finish_start,
                                         free_port, metric_sum, start_server, tiny_model_dir, wait_idle)  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,13 +55,8 @@ def _series(text: str, series: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(series + " "))
 
 
-def _wait_for(cond: Callable[[], bool], within: float, what: str) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {within}s")
+def _wait_for(cond: Callable[[], bool], within: float, what: str) -> None:
+    wait_until(cond, within=within, what=what)
 
 
 @pytest.fixture(scope="module")
