@@ -210,3 +210,25 @@ def test_spec_counters_travel_in_stats_and_render_as_vllm_metrics() -> None:
     lines = _accepted_per_pos([SimpleNamespace(worker_id="w0", stats=back)], "m")  # type: ignore[list-item]
     assert lines[2:] == [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",worker="w0",'
                          f'position="{i}"}} {n}' for i, n in enumerate([4, 2, 1])]
+
+
+class _CharTok:
+    """Each token id is one character."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_string_inside_an_accepted_run_drops_the_tokens_after_it() -> None:
+    """A speculative run brings several tokens in one output: those after the one that completes a stop string
+    are not sent, not counted in usage, and carry no logprobs."""
+    from gateway.pipeline.generation import OutputAssembler
+    from ipc.messages import RequestOutputMsg
+
+    asm = OutputAssembler(_CharTok(), ("END",), True)  # type: ignore[arg-type]
+    lps = [(-0.5, [])] * 8
+    first = asm.add(RequestOutputMsg("r", [ord(c) for c in "ab"], None, 0, lps[:2], None, None))
+    d = asm.add(RequestOutputMsg("r", [ord(c) for c in "cENDxyz"], None, 0, lps[:7], None, None))
+    assert first.text + d.text == "abc" and d.finish_reason == "stop" and asm.hit_stop_string
+    assert d.token_ids == [ord(c) for c in "cEND"] and asm.token_ids == [ord(c) for c in "abcEND"]
+    assert d.logprobs is not None and len(d.logprobs) == 4 and len(asm.logprobs) == 6

@@ -62,20 +62,32 @@ class OutputAssembler:
             self.first_token_at = time.monotonic()
         if out.timings is not None:
             self.engine_timings, self.engine_timings_at = out.timings, time.monotonic()
-        self.token_ids.extend(out.new_token_ids)
-        new_logprobs = list(out.logprobs) if self._want_logprobs and out.logprobs else None
-        if new_logprobs:
-            self.logprobs.extend(new_logprobs)
         self.num_cached_tokens = out.num_cached_tokens
-        self.text += self._detok.add(out.new_token_ids)
+        ids, hit = self._take_until_stop(list(out.new_token_ids))
         finish = out.finish_reason
-        if self._stop and self._cut_at_stop():
+        if hit:
             finish = "stop"
             self.hit_stop_string = out.finish_reason is None
+        self.token_ids.extend(ids)
+        new_logprobs = list(out.logprobs)[:len(ids)] if self._want_logprobs and out.logprobs else None
+        if new_logprobs:
+            self.logprobs.extend(new_logprobs)
         end = len(self.text) if finish is not None else max(self._emitted, len(self.text) - self._hold)
         text, self._emitted = self.text[self._emitted:end], end
         self.finish_reason = finish
-        return Delta(text, list(out.new_token_ids), new_logprobs, finish)
+        return Delta(text, ids, new_logprobs, finish)
+
+    def _take_until_stop(self, ids: list[int]) -> tuple[list[int], bool]:
+        """Decode ``ids``; with stop strings, token by token, so that of an output of several tokens (a
+        speculative-decoding run) those after the one completing a stop string are neither counted nor sent."""
+        if not self._stop:
+            self.text += self._detok.add(ids)
+            return ids, False
+        for j, t in enumerate(ids):
+            self.text += self._detok.add([t])
+            if self._cut_at_stop():
+                return ids[:j + 1], True
+        return ids, False
 
     def _cut_at_stop(self) -> bool:
         start = max(0, self._searched - self._hold)  # a stop string may straddle the old end
