@@ -16,6 +16,21 @@ DEFAULT_PORT = 8000
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p: argparse.ArgumentParser = sub.add_parser("serve", help="serve the OpenAI API (gateway + local workers)")
+    _serving_args(p)
+    _worker_key_args(p.add_argument_group("remote workers (ZeroMQ CURVE; keys from `kvgate keys create`)"))
+    _limit_args(p)
+    _tenancy_args(p.add_argument_group("tenancy"))
+    _engine_args(p.add_argument_group("engine (passed to local workers)"))
+    _observability_args(p.add_argument_group("observability"))
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="JSON lines (default) or readable text; prompt and completion text only for tenants that "
+                        "opted in (kvgatectl tenant set-log-text)")
+    return p
+
+
+def _serving_args(p: argparse._ActionsContainer) -> None:
+    """Where the gateway listens, what it serves, its local workers and their socket."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--model", default="smollm2", help="alias, .gguf file or safetensors directory")
@@ -26,13 +41,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "many seconds to finish before exiting (default 30)")
     p.add_argument("--zmq-bind", default="tcp://127.0.0.1:0",
                    help="ROUTER address workers connect to; a fixed port lets workers started by hand join")
-    w = p.add_argument_group("remote workers (ZeroMQ CURVE; keys from `kvgate keys create`)")
+
+
+def _worker_key_args(w: argparse._ActionsContainer) -> None:
+    """CURVE for workers on other hosts (gateway/fleet/worker_auth.py)."""
     w.add_argument("--worker-keys", default=None, metavar="DIR",
                    help="accept only workers whose public key is in DIR (*.key files); turns CURVE on")
     w.add_argument("--server-secret-key", default=None, metavar="FILE",
                    help="the gateway's own secret key file (NAME.key_secret); workers get its NAME.key")
     w.add_argument("--insecure-workers", action="store_true",
                    help="allow a --zmq-bind other hosts can reach without CURVE (anyone who connects can be a worker)")
+
+
+def _limit_args(p: argparse._ActionsContainer) -> None:
+    """Per-request and per-worker bounds, liveness timeouts, SSE and CORS."""
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
@@ -45,7 +67,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages from this origin (scheme://host[:port], or '*') call the API from a "
                         "browser; repeatable; default: none (CORS off)")
-    t = p.add_argument_group("tenancy")
+
+
+def _tenancy_args(t: argparse._ActionsContainer) -> None:
+    """The store, the admin API, shared rate-limit counters and the auth failure limit."""
     t.add_argument("--db", default=os.environ.get("KVGATE_DB", "kvgate.db"),
                    help="store of tenants, keys, quotas and usage: an SQLite file, or postgresql://... shared by "
                         "several gateways (needs KVGATE_SECRET) (env KVGATE_DB)")
@@ -57,7 +82,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="admit without limits while Redis is unreachable (default: refuse with 503)")
     t.add_argument("--auth-failures-per-minute", type=int, default=20, help="per client address, then 429")
     t.add_argument("--no-demo-tenant", action="store_true", help="do not create tenant 'demo' on an empty store")
-    g = p.add_argument_group("engine (passed to local workers)")
+
+
+def _engine_args(g: argparse._ActionsContainer) -> None:
+    """Engine flags the gateway passes to the workers it starts."""
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"])
@@ -76,17 +104,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
                         '3, "prompt_lookup_max": 3}\' (see README)')
-    o = p.add_argument_group("observability")
+
+
+def _observability_args(o: argparse._ActionsContainer) -> None:
+    """Cost series and trace export."""
     o.add_argument("--gpu-hour-cost", type=float, default=None,
                    help="price of one worker (GPU) per hour; /metrics then shows kvgate:cost_per_1k_tokens")
     o.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
                    help="send OpenTelemetry traces over OTLP/HTTP to this URL (default: "
                         "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no traces leave the process)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--log-format", default="json", choices=["json", "text"],
-                   help="JSON lines (default) or readable text; prompt and completion text only for tenants that "
-                        "opted in (kvgatectl tenant set-log-text)")
-    return p
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
