@@ -1,7 +1,8 @@
 """Draining one worker, in process (issue 14 item 5): a draining worker gets no new request from the moment of the
 drain, its Drain leaves after every Generate queued before it, it finishes what it holds and its Goodbye fails
 nothing; draining the only worker answers 503 no_worker; past the drain timeout its requests fail with
-drain_timeout and it is told to shut down. Driven on Trio's autojump clock: no wall time, no machine speed."""
+drain_timeout and it is told to shut down; kvgatectl's rolling restart drains the next worker only once the last
+one's fresh process is listed. Driven on Trio's autojump clock (and a fake admin API): no machine speed."""
 
 from __future__ import annotations
 
@@ -127,3 +128,41 @@ def test_control_messages_leave_after_the_batchs_generates_and_aborts() -> None:
     gen_b = Generate("b", [1], SamplingParams(), None, 1.0, None, None)
     assert coalesce([gen, Drain(), Abort(["x"]), gen_b]) == [gen, gen_b, Abort(["x"]), Drain()]
     assert coalesce([Shutdown()]) == [Shutdown()]
+
+
+class _FakeGateway:
+    """The /admin/workers API of a gateway whose drained worker is away for two polls, then back with a new pid."""
+
+    def __init__(self) -> None:
+        self.pids = {"w0": 100, "w1": 101}
+        self.away: dict[str, int] = {}  # worker id -> polls left until its fresh process is listed
+        self.events: list[str] = []
+
+    def drain_worker(self, worker_id: str, timeout: float | None) -> dict[str, Any]:
+        assert not self.away, "a drain began while another worker was still away"
+        self.events.append(f"drain {worker_id}")
+        self.away[worker_id] = 2
+        return {"worker": worker_id, "pid": self.pids[worker_id], "state": "draining", "in_flight": 3,
+                "timeout": 30.0 if timeout is None else timeout}
+
+    def workers(self) -> dict[str, Any]:
+        for wid in list(self.away):
+            self.away[wid] -= 1
+            if self.away[wid] < 0:
+                del self.away[wid]
+                self.pids[wid] += 1000
+                self.events.append(f"back {wid}")
+        rows = [{"worker": w, "state": "ready", "hello": {"pid": p}} for w, p in self.pids.items() if w not in self.away]
+        return {"object": "list", "data": rows}
+
+
+def test_rolling_restart_drains_the_next_worker_only_after_the_last_is_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tenancy import worker_cli
+
+    monkeypatch.setattr(worker_cli, "POLL_S", 0.0)
+    gw = _FakeGateway()
+    lines: list[str] = []
+    results = worker_cli.roll(gw, ["w0", "w1"], None, 60.0, lines.append)  # type: ignore[arg-type]
+    assert gw.events == ["drain w0", "back w0", "drain w1", "back w1"]
+    assert [(r["worker"], r["old_pid"], r["new_pid"]) for r in results] == [("w0", 100, 1100), ("w1", 101, 1101)]
+    assert len(lines) == 4 and lines[0].startswith("w0: draining (pid 100")
