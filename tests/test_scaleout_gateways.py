@@ -15,6 +15,7 @@ import pytest
 from tenancy.models import Quota
 from tests.tenancy_support import Outcome, ids_prompt, make_tenant, run_concurrently, store_of
 from tests.test_gateway_support import MODEL, Server, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,14 +45,13 @@ def gateways(tiny_model_dir: Path, tmp_path: Path, redis_url: str, postgres_url:
 
 
 def _ledger_ids(server: Server, tenant_id: str, expected: int) -> list[str]:
-    """The tenant's ledger rows' request ids once `expected` have landed (or the deadline passed)."""
-    deadline = time.monotonic() + LEDGER_WAIT_S
-    while True:
+    """The tenant's ledger rows' request ids once `expected` have landed."""
+    def ids() -> list[str]:
         with store_of(server) as store:
-            ids = [r.request_id for r in store.usage_rows(tenant_id)]
-        if len(ids) >= expected or time.monotonic() > deadline:
-            return ids
-        time.sleep(0.2)
+            return [r.request_id for r in store.usage_rows(tenant_id)]
+
+    return wait_until(ids, lambda found: len(found) >= expected, within=LEDGER_WAIT_S,
+                      what=f"{expected} ledger rows", interval=0.2)
 
 
 def _burst(a: Server, b: Server, key: str, n: int, seed: int) -> tuple[list[Outcome], float]:
@@ -107,10 +107,8 @@ def test_concurrency_limit_holds_across_two_gateways(gateways: tuple[Server, Ser
             assert [r.status_code for r in refused] == [429, 429], [r.text for r in refused]
             assert {r.json()["error"]["code"] for r in refused} == {"concurrency_limit_exceeded"}
         # Both streams closed (the client went away: their slots are released).
-        deadline = time.monotonic() + 30
-        while (r := client.post(f"{b.url}{COMP}", json=_body(10), headers=headers)).status_code == 429 \
-                and time.monotonic() < deadline:
-            time.sleep(0.2)
+        r = wait_until(lambda: client.post(f"{b.url}{COMP}", json=_body(10), headers=headers),
+                       lambda r: r.status_code != 429, within=30.0, what="a slot free again", interval=0.2)
         assert r.status_code == 200, r.text
 
 
@@ -122,8 +120,6 @@ def test_admin_change_through_one_gateway_reaches_the_other(gateways: tuple[Serv
     changed = httpx.post(f"{a.url}/admin/tenants/suspend-me/suspend", headers=a.admin_headers, timeout=30)
     assert changed.status_code == 200 and changed.json()["status"] == "suspended"
     # b cached the tenant as active; its auth cache (1 s by default) expires and b reads the shared store.
-    deadline = time.monotonic() + 15
-    while (r := httpx.post(f"{b.url}{COMP}", json=_body(21), headers=headers, timeout=30)).status_code == 200 \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+    r = wait_until(lambda: httpx.post(f"{b.url}{COMP}", json=_body(21), headers=headers, timeout=30),
+                   lambda r: r.status_code != 200, within=15.0, what="the suspension seen by b", interval=0.2)
     assert r.status_code == 403, r.text
