@@ -8,18 +8,16 @@ engine, stop strings, logprobs, the auxiliary routes, the bad-input table (4xx i
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 import trio
 
-from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, start_server, wait_idle
+from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, send_raw, start_server, wait_idle
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -251,17 +249,6 @@ def _wait_busy(server: Server) -> None:
                what="the request running on the worker")
 
 
-def _send_raw(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
-    """A request written on a plain socket whose answer is never read; closing it is the client hanging up."""
-    url = urlsplit(server.url)
-    data = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
-    sock = socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n{head}\r\n".encode() + data)
-    return sock
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_frees_kv_within_1s(server: Server, stream: bool) -> None:
     body = {"model": MODEL, "prompt": list(range(1, 1001)), "max_tokens": 3000, "temperature": 0,
@@ -277,7 +264,7 @@ def test_client_disconnect_frees_kv_within_1s(server: Server, stream: bool) -> N
         else:
             # A raw connection, so the test sees the request running *before* it hangs up (a client timeout
             # raced the gateway: when the abort landed before the next 0.5 s stats frame, busy was never seen).
-            with _send_raw(server, COMP, body):
+            with send_raw(server, COMP, body):
                 _wait_busy(server)
     # The connection is closed: the gateway must abort the request and the worker free its blocks.
     wait_idle(server, within=1.0)

@@ -13,10 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -160,6 +163,18 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def send_raw(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
+    """A request written on a plain socket whose answer is never read; closing it is the client hanging up
+    (at a moment the test chooses, unlike a client timeout)."""
+    url = urlsplit(server.url)
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+    sock = socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n{head}\r\n".encode() + data)
+    return sock
 
 
 def metric_sum(text: str, name: str) -> float:
