@@ -83,6 +83,12 @@ async def _drain(state: GatewayState) -> bool:
     left = state.pool.num_inflight
     log.info("drained" if not waited.cancelled_caught else "drain timeout: stopping with requests in flight",
              extra={"fields": {"event": "drain_done", "in_flight": left, "drain_timeout_s": timeout}})
+    if waited.cancelled_caught:
+        # End what is left as a worker drain does: an error its client can read (an SSE error event, or a 503
+        # not yet answered) rather than a stream that stops without [DONE] when the server closes it.
+        for handle in state.pool.inflight():
+            handle.fail("gateway_shutdown", f"the gateway is shutting down and this request ran past its "
+                                            f"{timeout:g}s drain timeout; retry it")
     return not waited.cancelled_caught
 
 

@@ -103,6 +103,9 @@ class WorkerPool:
     def num_inflight(self) -> int:
         return len(self._requests)
 
+    def inflight(self) -> list[RequestHandle]:
+        return list(self._requests.values())
+
     def worker_seconds(self) -> float:
         """Total time workers have been live on this gateway (what a price per GPU-hour is charged on)."""
         now = trio.current_time()

@@ -38,7 +38,7 @@ def failure_to_api_error(e: RequestFailed) -> APIError:
         return APIError(408, e.message, code=e.code)
     if e.code == "timeout":
         return APIError(504, e.message, code="timeout")
-    if e.code in ("worker_died", "draining", "drain_timeout"):
+    if e.code in ("worker_died", "draining", "drain_timeout", "gateway_shutdown"):
         return APIError(503, e.message, code=e.code, retry_after=1.0)
     return APIError(500, e.message, code=e.code)
 
