@@ -67,7 +67,8 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: s
     itl: list[float] = []
     tokens = 0
     for i, p in enumerate(prompts):
-        llm.add_request(f"{tag}-{i}", p, params)
+        # a salt per mode: no mode reuses another's cached prompt blocks (the later ones would skip prefill)
+        llm.add_request(f"{tag}-{i}", p, params, cache_salt=tag.rsplit("-", 1)[0])
     while llm.has_unfinished():
         outs = llm.step()
         now = time.perf_counter()
