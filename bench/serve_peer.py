@@ -64,7 +64,9 @@ def bench_server(srv: Server, a: argparse.Namespace, tmp: Path) -> dict[str, dic
                     "--random-output-len", "8", "--seed", "999"], tmp, "warmup", 300)
     rows: dict[str, dict[str, Any]] = {}
     for name, conc, n, seed, args in WORKLOADS:
-        n = max(conc, round(n * a.scale))
+        if a.workloads and name not in a.workloads.split(","):
+            continue
+        n = max(1, round(n * a.scale))
         load = os.getloadavg()[0]
         r = run_serve(srv, [*args, "--num-prompts", str(n), "--max-concurrency", str(conc), "--seed", str(seed)],
                       tmp, name, a.max_duration)
@@ -121,6 +123,7 @@ def main() -> int:
     ap.add_argument("--single-modes", default="none,int4", help="kvgate modes of the single-stream comparison")
     ap.add_argument("--servers", default="llama-server,kvgate")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's request count")
+    ap.add_argument("--workloads", default="", help="comma-separated subset of c1,c16,prefix512-c4 (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-duration", type=float, default=600.0, help="seconds per workload")
     ap.add_argument("--output-json", default=None)
