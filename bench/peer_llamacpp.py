@@ -25,10 +25,14 @@ from workers.model_files import alias_path
 
 _LLAMA = r"""
 import json, sys, time
+import numpy as np
 from llama_cpp import Llama
 a = json.loads(sys.argv[1])
 llm = Llama(model_path=a["gguf"], n_ctx=2048, n_threads=a["threads"], n_threads_batch=a["threads"],
             n_batch=512, verbose=False)
+# Llama.scores is written only with logits_all=True (the lm_head on every prompt position): read the context's
+# logits, which hold the last evaluated token's row.
+last = lambda: int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
 best = {"prompt_tok_s": 0.0, "decode_tok_s": 0.0}
 steps = []
 for _ in range(a["repeats"]):
@@ -36,11 +40,11 @@ for _ in range(a["repeats"]):
     t0 = time.perf_counter()
     llm.eval(a["prompt"])
     best["prompt_tok_s"] = max(best["prompt_tok_s"], len(a["prompt"]) / (time.perf_counter() - t0))
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    tok = last()
     for _ in range(a["gen"]):
         t = time.perf_counter()
         llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = last()
         steps.append(time.perf_counter() - t)
 best["decode_tok_s"] = 1.0 / sorted(steps)[len(steps) // 2]
 print(json.dumps(best))
