@@ -3,10 +3,10 @@
 # llama-cpp-python's sdist on PyPI vendors (vendor/llama.cpp), outside the repo: a benchmark dependency, never a
 # runtime or CI one. PyPI is the only registry reachable here, hence the sdist rather than a git clone.
 #   bash bench/build_llama_server.sh [VERSION] [DEST]     (defaults: 0.3.36, /tmp/llama-server-build)
-# Result: $DEST/bin/llama-server. About 20 minutes on 2 idle cores (-j2); over an hour on 2 busy ones.
+# Result: $DEST/bin/llama-server. On 2 cores busy with other work (load ~15) it was at 42% after 30 minutes (-j2).
 # Shortcut: LINK_LIBS=/tmp/llamacpp-venv/lib/python3.11/site-packages/lib (llama-cpp-python of the same VERSION,
 # built with CMAKE_ARGS="-DGGML_NATIVE=ON", installs libllama, libllama-common, libmtmd and libggml* there) compiles
-# only the server's own sources (15 files, ~12 minutes on 2 busy cores) and links them to those libraries.
+# only the server's own sources (15 files, 12 minutes on 2 busy cores) and links them to those libraries.
 set -euo pipefail
 VERSION=${1:-0.3.36}
 DEST=${2:-/tmp/llama-server-build}
