@@ -149,6 +149,10 @@ def _api_paths(model: Json) -> Json:
                                                     body=_body(_fields(), required=False))},
         "/admin/usage": {"get": _op("Usage totals", ADMIN_AUTH, params=[_param("tenant", "query"), *since_by])},
         "/admin/workers": {"get": _op("Live workers: Hello and last Stats", ADMIN_AUTH)},
+        "/admin/workers/{worker_id}/drain": {"post": _op(
+            "Drain a worker: no new requests, it finishes its own and is restarted", ADMIN_AUTH, ok="202",
+            params=[_param("worker_id")],
+            body=_body(_fields(timeout={"type": "number", "minimum": 0, "maximum": 3600}), required=False))},
     }
 
 
