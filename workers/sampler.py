@@ -35,7 +35,7 @@ class Sampler:
         if rand_rows:
             tokens[rand_rows] = self._sample_random(logits[rand_rows], [reqs[i] for i in rand_rows])
         ids = tokens.tolist()
-        return [SampledToken(t, _logprobs(raw_lp[i], t, n) if raw_lp is not None and n is not None else None)
+        return [SampledToken(t, token_logprobs(raw_lp[i], t, n) if raw_lp is not None and n is not None else None)
                 for i, (t, n) in enumerate(zip(ids, want_lp))]
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -124,7 +124,7 @@ class Sampler:
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _logprobs(row_lp: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+def token_logprobs(row_lp: torch.Tensor, token: int, n: int) -> TokenLogprobs:
     # row_lp: (V,) log-probabilities of the model's raw distribution
     top: list[tuple[int, float]] = []
     if n > 0:

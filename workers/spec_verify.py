@@ -21,7 +21,7 @@ import torch
 
 from workers.core.outputs import Sampled, SampledToken, ScheduledRequest
 from workers.core.request import Request
-from workers.sampler import Sampler, _logprobs
+from workers.sampler import Sampler, token_logprobs
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> dict[str, Sampled]:
@@ -68,7 +68,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, req: Request, draft: list[int
     processed = sampler.process(logits, views)
 
     def token(j: int, t: int) -> SampledToken:
-        return SampledToken(t, _logprobs(raw_lp[j], t, n_lp) if raw_lp is not None and n_lp is not None else None)
+        return SampledToken(t, token_logprobs(raw_lp[j], t, n_lp) if raw_lp is not None and n_lp is not None else None)
 
     out: list[SampledToken] = []
     if req.params.greedy:

@@ -45,7 +45,7 @@ def op_error(e: AdminOpError) -> APIError:
     return APIError(e.status, e.message, code=e.code, param=e.param)
 
 
-def _authorize(admin_token: str | None) -> None:
+def authorize_admin(admin_token: str | None) -> None:
     if not admin_token:
         raise APIError(403, f"the admin API is disabled: start the gateway with --admin-token or "
                             f"{ADMIN_TOKEN_ENV}", code="admin_disabled")
@@ -84,7 +84,7 @@ class _AdminRoutes:
         self.on_change = on_change
 
     async def require_admin_token(self) -> None:
-        _authorize(self.admin_token)
+        authorize_admin(self.admin_token)
 
     async def call(self, fn: Callable[..., Json], *args: Any, mutation: bool = False, status: int = 200) -> Response:
         try:

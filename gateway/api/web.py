@@ -28,7 +28,7 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from gateway.api.admin import _authorize as authorize_admin
+from gateway.api.admin import authorize_admin
 from gateway.api.errors import APIError
 from gateway.api.http_json import json_response
 from gateway.state import GatewayState

@@ -16,7 +16,7 @@ import math
 
 from quart import Blueprint, Response
 
-from gateway.api.admin import _authorize as authorize_admin
+from gateway.api.admin import authorize_admin
 from gateway.api.errors import APIError, bad_request
 from gateway.api.http_json import json_response, read_json
 from gateway.state import GatewayState
