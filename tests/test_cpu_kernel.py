@@ -64,3 +64,36 @@ def test_bf16_queries_fall_back_to_reference(backend) -> None:  # type: ignore[n
     meta = _meta([[2, 1]], [6])
     torch.testing.assert_close(backend._decode(q, kc, kc, meta, 0.3),
                                TorchAttentionBackend()._decode(q, kc, kc, meta, 0.3))
+
+
+@pytest.mark.parametrize("isa", ["scalar", "auto"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,lens", [(4, 1, [1000]), (9, 3, [300]), (4, 1, [1000, 1]), (2, 1, [130, 7])])
+def test_few_long_sequences_split_the_context_and_merge_exactly(backend, hq: int, hkv: int,  # type: ignore[no-untyped-def]
+                                                                lens: list[int], kv_dtype: torch.dtype,
+                                                                isa: str) -> None:
+    """Fewer (sequence, KV head) items than twice the threads: the kernel splits each context into chunks and
+    merges them by their max and sum (including a chunk left empty by a 1-token context). Both bodies: the
+    portable loops ("scalar") and, where built, the AVX2 one ("auto")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # 8 items wanted: every case here splits
+    backend._mod.set_kv_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(sum(lens) + hq)
+        d, bs = 32, 16
+        nb = sum(-(-L // bs) for L in lens) + 1
+        kc = (torch.randn(nb, bs, hkv, d, generator=g) * 2).to(kv_dtype)
+        vc = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+        perm = torch.randperm(nb, generator=g).tolist()
+        tables, used = [], 0
+        for L in lens:
+            tables.append(perm[used:used + -(-L // bs)])
+            used += len(tables[-1])
+        q = torch.randn(len(lens), hq, d, generator=g)
+        meta = _meta(tables, lens)
+        ref = TorchAttentionBackend()._decode(q, kc, vc, meta, d ** -0.5)
+        got = backend._decode(q, kc, vc, meta, d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+        backend._mod.set_kv_isa("auto")
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)

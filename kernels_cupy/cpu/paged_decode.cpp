@@ -2,10 +2,11 @@
 // cache through the block table, so each cached K/V row is read exactly once (the torch path gathers the
 // blocks into a padded copy first, which triples the memory traffic that bounds decode on a CPU).
 //
-// Work split: one work item per (sequence n, KV head h); the G = Hq / Hkv query heads that share the KV
-// head are handled together so every K/V row loaded from memory serves all of them (GQA). Items are
-// spread over threads with at::parallel_for. Two passes per item: scores, then softmax-weighted V sum;
-// the scores buffer (G x L floats) is small next to the K/V it summarises.
+// Work split: one work item per (sequence n, KV head h), or per (n, h, context chunk) when there are too few
+// items to keep the threads busy (a single stream); the G = Hq / Hkv query heads that share the KV head are
+// handled together so every K/V row loaded from memory serves all of them (GQA). Items are spread over
+// threads with at::parallel_for. Two passes per item: scores, then softmax-weighted V sum; the scores
+// buffer (G x L floats) is small next to the K/V it summarises. Chunks are merged by their max and sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -104,6 +105,89 @@ static inline const float* row_f32(const int8_t* src, float* tmp, int64_t d, flo
   return tmp;
 }
 
+// exp(x) for x <= 0 (softmax after the max is subtracted), in plain C so `omp simd` vectorises it for the
+// build's instruction set (the build is -march=native): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p
+// Cephes' degree-5 polynomial (relative error ~2e-7, as std::exp's float rounding). Below -87.3 -> 0.
+#pragma omp declare simd notinbranch
+static inline float exp_neg(float x) {
+  x = std::fmax(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: exact n * hi
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#include "paged_decode_avx2.h"
+
+// One work item's share of a softmax: the G query heads of one KV head over context rows [t0, t1). Leaves
+// acc (G, D) = sum_t exp(s_t - m) v_t, and m, l (G) = the rows' max score and sum_t exp(s_t - m), so chunks
+// of one sequence merge exactly (flash-decoding's split-K).
+template <typename KV>
+static void attend_rows(const float* qn, const KV* kp, const KV* vp, const int32_t* bt, int64_t t0, int64_t t1,
+                        int64_t BS, int64_t Hkv, int64_t h, int64_t W, int64_t D, int64_t G, float sc,
+                        float* scores, float* tmp, float* acc, float* m, float* l) {
+#ifdef KVGATE_DECODE_AVX2
+  if (codes_fn() == codes_avx2) {  // set_kv_isa("scalar") keeps the portable loops (tests compare the two)
+    switch (D) {
+      case 16: return avx2dec::attend<KV, 2>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
+      case 32: return avx2dec::attend<KV, 4>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
+      case 64: return avx2dec::attend<KV, 8>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
+      case 128: return avx2dec::attend<KV, 16>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
+      default: break;
+    }
+  }
+#endif
+  const int64_t L = t1 - t0;
+  // Rows walk the block table incrementally: a division by the (run-time) block size per row cost more than
+  // the row's arithmetic.
+  int64_t blk = t0 / BS, off = t0 % BS;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = static_cast<int64_t>(bt[blk]) * BS + off;
+    if (++off == BS) { off = 0; ++blk; }
+    float rs;
+    const float* kr = row_f32(kp + (row * Hkv + h) * W, tmp, D, &rs);
+    const float s = rs * sc;
+    for (int64_t g = 0; g < G; ++g) scores[g * L + (t - t0)] = dot(qn + g * D, kr, D) * s;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < L; ++t) mx = std::fmax(mx, sg[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) { sg[t] = exp_neg(sg[t] - mx); sum += sg[t]; }
+    m[g] = mx;
+    l[g] = sum;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  blk = t0 / BS, off = t0 % BS;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = static_cast<int64_t>(bt[blk]) * BS + off;
+    if (++off == BS) { off = 0; ++blk; }
+    float rs;
+    const float* vr = row_f32(vp + (row * Hkv + h) * W, tmp, D, &rs);
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, vr, scores[g * L + (t - t0)] * rs, D);
+  }
+}
+
+// Context chunks per sequence: 1 unless there are fewer (sequence, KV head) items than twice the threads
+// (a single stream has Hkv items, 3 for SmolLM2 on 2 threads: one thread would do two thirds of the work);
+// never chunks under 64 rows, whose merge would cost more than the balance gains.
+static int64_t chunks_per_seq(int64_t items, int64_t max_len) {
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  if (items >= want) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>((want + items - 1) / items, max_len / 64));
+}
+
 // q:            (N, Hq, D)        fp32, contiguous
 // k_cache:      (NB, BS, Hkv, W)  fp32 or bf16 (W = D), or int8 (W = D + 4: codes, then the fp32 scale)
 // v_cache:      (NB, BS, Hkv, W)  same dtype and shape as k_cache
@@ -130,39 +214,56 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cac
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  int64_t max_len = 1;
+  for (int64_t n = 0; n < N; ++n) max_len = std::max<int64_t>(max_len, sl[n]);
+  const int64_t C = chunks_per_seq(N * Hkv, max_len);
+  // Per item (n, h, c): acc (G, D), then m (G) and l (G); merged per (n, h) below when C > 1.
+  std::vector<float> part(C > 1 ? N * Hkv * C * G * (D + 2) : 0);
 
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D), tmp(D);
+  at::parallel_for(0, N * Hkv * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, tmp(D), own(G * (D + 2));
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t n = w / Hkv, h = w % Hkv, L = sl[n];
-      const float* qn = qp + (n * Hq + h * G) * D;  // the G query heads of KV head h: (G, D)
-      scores.assign(G * L, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t row = static_cast<int64_t>(bt[n * MAXB + t / BS]) * BS + t % BS;
-        float rs;
-        const float* kr = row_f32(kp + (row * Hkv + h) * W, tmp.data(), D, &rs);
-        const float s = rs * sc;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qn + g * D, kr, D) * s;
+      const int64_t n = w / (Hkv * C), h = (w / C) % Hkv, c = w % C, L = sl[n];
+      const int64_t t0 = L * c / C, t1 = L * (c + 1) / C;
+      float* slot = C > 1 ? part.data() + w * G * (D + 2) : own.data();
+      scores.resize(G * std::max<int64_t>(t1 - t0, 1));
+      if (t1 > t0) {
+        attend_rows<KV>(qp + (n * Hq + h * G) * D, kp, vp, bt + n * MAXB, t0, t1, BS, Hkv, h, W, D, G, sc,
+                        scores.data(), tmp.data(), slot, slot + G * D, slot + G * D + G);
+      } else {  // an empty chunk (a context shorter than C): contributes nothing to the merge
+        std::fill(slot, slot + G * D, 0.f);
+        std::fill(slot + G * D, slot + G * D + G, -INFINITY);
+        std::fill(slot + G * D + G, slot + G * (D + 2), 0.f);
       }
-      for (int64_t g = 0; g < G; ++g) {  // softmax over the context, max-subtracted
-        float* s = scores.data() + g * L;
-        const float m = *std::max_element(s, s + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+      if (C == 1) {
+        float* o = op + (n * Hq + h * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / slot[G * D + G + g];
+          for (int64_t i = 0; i < D; ++i) o[g * D + i] = slot[g * D + i] * inv;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t row = static_cast<int64_t>(bt[n * MAXB + t / BS]) * BS + t % BS;
-        float rs;
-        const float* vr = row_f32(vp + (row * Hkv + h) * W, tmp.data(), D, &rs);
-        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, vr, scores[g * L + t] * rs, D);
-      }
-      std::copy(acc.begin(), acc.end(), op + (n * Hq + h * G) * D);
     }
   });
+  if (C == 1) return;
+  for (int64_t nh = 0; nh < N * Hkv; ++nh) {  // merge the chunks: rescale each by exp(m_c - max m)
+    const int64_t n = nh / Hkv, h = nh % Hkv;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -INFINITY, lsum = 0.f;
+      for (int64_t c = 0; c < C; ++c) mx = std::fmax(mx, part[(nh * C + c) * G * (D + 2) + G * D + g]);
+      float* o = op + (n * Hq + h * G + g) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const float* slot = part.data() + (nh * C + c) * G * (D + 2);
+        const float m = slot[G * D + g];
+        if (m == -INFINITY) continue;
+        const float f = std::exp(m - mx);
+        lsum += slot[G * D + G + g] * f;
+        axpy(o, slot + g * D, f, D);
+      }
+      const float inv = 1.f / lsum;
+      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+    }
+  }
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
