@@ -65,7 +65,13 @@ def test_quantize_error_is_within_half_a_step(bits: int) -> None:
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
     q = quantize(w, bits)
     err = (dequantize(q) - w).abs().reshape(16, 4, 32).amax(-1)  # (N, NB)
-    assert bool((err <= q.d * 0.5 + 1e-6).all())
+    # Scales and minimums are stored at fp16 (as GGUF does): half a step, plus their own rounding (relative
+    # 2^-11) times the largest code (15 or 127) and the minimum.
+    m = torch.zeros_like(q.d) if q.m is None else q.m.abs()
+    bound = q.d * 0.5 + 2.0 ** -11 * (q.d * (15 if bits == 4 else 127) + m)
+    assert bool((err <= bound + 1e-6).all())
+    for t in (q.d, q.m):
+        assert t is None or torch.equal(t, t.half().float())  # what the kernel reads as fp16 is exact
 
 
 def test_rope_row_order_is_transformers_reverse_permutation() -> None:

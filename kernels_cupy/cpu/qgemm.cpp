@@ -4,6 +4,12 @@
 
 #include "qgemm_core.h"
 
+static torch::Tensor half_scales(const torch::Tensor& t, int64_t n, int64_t nb, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == nb, name, " must be (N, K/32)");
+  TORCH_CHECK(t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kFloat32, name, " must be fp16 or fp32");
+  return t.to(torch::kHalf).contiguous();  // no copy when already contiguous fp16
+}
+
 // x (M, K) fp32 -> (M, N) fp32 against weights in blocks of 32 (layout in qgemm_core.h).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm,
                       c10::optional<torch::Tensor> bias, int64_t bits) {
@@ -14,11 +20,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(wq.is_contiguous() && wq.element_size() == 1 && wq.size(1) == (bits == 4 ? K / 2 : K),
               "wq must be contiguous (N, K/2) or (N, K) bytes");
-  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == torch::kFloat32 && wd.size(0) == N && wd.size(1) == nb,
-              "wd must be contiguous (N, K/32) fp32");
+  // Scales are read as fp16 (the GGUF's own width). fp32 scales (tests) are narrowed here, which is exact for
+  // every BlockWeight: quantize() and from_gguf() only make fp16-representable scales.
+  wd = half_scales(wd, N, nb, "wd");
   if (bits == 4) {
-    TORCH_CHECK(wm.has_value() && wm->is_contiguous() && wm->scalar_type() == torch::kFloat32 &&
-                wm->size(0) == N && wm->size(1) == nb, "4-bit weights need wm (N, K/32) fp32");
+    TORCH_CHECK(wm.has_value(), "4-bit weights need wm (N, K/32)");
+    wm = half_scales(*wm, N, nb, "wm");
   }
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
@@ -36,7 +43,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
     qgemm::quantize_rows(xp + b * K, e - b, K, qap + b * K, sap + b * nb, xsp + b * nb);
   });
   qgemm::QArgs a{M, N, K, bits, qap, sap, xsp, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
-                 wd.data_ptr<float>(), bits == 4 ? wm->data_ptr<float>() : nullptr,
+                 reinterpret_cast<const uint16_t*>(wd.data_ptr()),
+                 bits == 4 ? reinterpret_cast<const uint16_t*>(wm->data_ptr()) : nullptr,
                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>()};
   // Split output columns: every thread reads the whole (small) activation block and its own weight rows,
   // so each weight byte is read from memory once per call.

@@ -73,12 +73,16 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-static inline float dot_f32(const float* a, const float* b, int64_t n) {
+// fp16 (a) . fp32 (b) over n elements.
+static inline float dot_h32(const uint16_t* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 av = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    acc = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + i), acc);
+  }
   float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += _cvtsh_ss(a[i]) * b[i];
   return s;
 }
 
@@ -87,25 +91,26 @@ template <int R, bool Q4>
 static inline void micro(const QArgs& a, int64_t m0, int64_t n) {
   const int64_t nb = a.K / QK;
   const uint8_t* w = a.wq + n * (Q4 ? a.K / 2 : a.K);
-  const float* wd = a.wd + n * nb;
+  const uint16_t* wd = a.wd + n * nb;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i wv = Q4 ? expand_q4(w + b * (QK / 2))
                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
     const __m256i wu = Q4 ? wv : _mm256_sign_epi8(wv, wv);  // Q8_0: |w| as u8, sign moved onto x
+    const float db = _cvtsh_ss(wd[b]);
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + row * a.K + b * QK));
       const __m256i xs = Q4 ? xv : _mm256_sign_epi8(xv, wv);
       const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
-      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[b] * a.sa[row * nb + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(db * a.sa[row * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = m0 + r;
     float v = hsum(acc[r]);
-    if (Q4) v += dot_f32(a.wm + n * nb, a.xsum + row * nb, nb);
+    if (Q4) v += dot_h32(a.wm + n * nb, a.xsum + row * nb, nb);
     if (a.bias) v += a.bias[n];
     a.out[row * a.N + n] = v;
   }

@@ -37,8 +37,8 @@ class BlockLinear(nn.Module):
     kernel (int8, like llama.cpp), so the result is within a small tolerance of the fp32 reference."""
 
     codes: torch.Tensor  # (out, in/2) uint8 or (out, in) int8
-    d: torch.Tensor  # (out, in/32) fp32
-    m: torch.Tensor | None  # (out, in/32) fp32, 4-bit only
+    d: torch.Tensor  # (out, in/32) fp16: a decode step is bound by bytes read, and GGUF's scales are fp16
+    m: torch.Tensor | None  # (out, in/32) fp16, 4-bit only
     bias: torch.Tensor | None  # (out,) fp32
     dense: torch.Tensor | None  # (out, in) fp32, only without the kernel
 
@@ -47,15 +47,16 @@ class BlockLinear(nn.Module):
         self.bits = w.bits
         self.out_features, self.in_features = w.shape
         self.register_buffer("codes", w.codes)
-        self.register_buffer("d", w.d)
-        self.register_buffer("m", w.m)
+        # fp16 is exact: BlockWeight scales are fp16-representable (quant.py).
+        self.register_buffer("d", w.d.half())
+        self.register_buffer("m", None if w.m is None else w.m.half())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._kernel: Any = kernel
         # Without the kernel: the reference, fp32 weights de-quantized once.
         self.register_buffer("dense", None if kernel is not None else dequantize(w))
 
     def block_weight(self) -> BlockWeight:
-        return BlockWeight(self.bits, self.codes, self.d, self.m)
+        return BlockWeight(self.bits, self.codes, self.d.float(), None if self.m is None else self.m.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out) fp32
         if self.dense is not None:

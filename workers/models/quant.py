@@ -24,8 +24,8 @@ class BlockWeight:
 
     bits: int  # 4 or 8
     codes: torch.Tensor  # (N, K/2) uint8 nibbles (bits 4) or (N, K) int8 (bits 8)
-    d: torch.Tensor  # (N, K/32) fp32 scales
-    m: torch.Tensor | None  # (N, K/32) fp32 minimums (bits 4 only)
+    d: torch.Tensor  # (N, K/32) fp32 scales, fp16-representable (the kernel reads them as fp16)
+    m: torch.Tensor | None  # (N, K/32) fp32 minimums, fp16-representable (bits 4 only)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,8 +51,14 @@ def _check_k(w: torch.Tensor) -> None:
         raise ValueError(f"block quantization needs (N, K) with K % {QK} == 0, got {tuple(w.shape)}")
 
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to fp16 and widened back: GGUF stores scales and minimums as fp16, and so does the kernel."""
+    return t.half().float().contiguous()
+
+
 def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
-    """llama.cpp's Q8_0 / Q4_1 quantization of an (N, K) float weight."""
+    """llama.cpp's Q8_0 / Q4_1 quantization of an (N, K) float weight: codes from the fp32 scale, the scale
+    (and minimum) then stored at fp16, as llama.cpp does."""
     _check_k(w)
     n, k = w.shape
     b = w.detach().float().reshape(n, k // QK, QK)  # (N, NB, 32)
@@ -60,14 +66,14 @@ def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
         d = b.abs().amax(-1) / 127.0  # (N, NB)
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         codes = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
-        return BlockWeight(8, codes, d.contiguous(), None)
+        return BlockWeight(8, codes, _fp16(d), None)
     if bits == 4:
         lo, hi = b.amin(-1), b.amax(-1)  # (N, NB)
         d = (hi - lo) / 15.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q = torch.round((b - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)  # (N, NB, 32)
         codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)  # GGUF nibble order
-        return BlockWeight(4, codes, d.contiguous(), lo.contiguous())
+        return BlockWeight(4, codes, _fp16(d), _fp16(lo))
     raise ValueError(f"bits must be 4 or 8, got {bits}")
 
 
