@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 import httpx
@@ -95,14 +95,15 @@ def start_llama_server(a: argparse.Namespace, tmp: Path) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def start_kvgate(a: argparse.Namespace, tmp: Path) -> Iterator[Server]:
+def start_kvgate(a: argparse.Namespace, tmp: Path, extra: Sequence[str] = ()) -> Iterator[Server]:
+    """``extra``: more `kvgate serve` flags (bench/serve_spec.py's --speculative-config)."""
     port, log = free_port(), Path(a.log_dir) / "kvgate.log"
     # Kernels built before the clock starts (a no-op when `make setup` built them): a worker compiling one in its
     # start-up would take minutes on 2 shared cores and nothing of it is serving.
     subprocess.run([sys.executable, "-m", "kernels_cupy.cpu.prebuild"], cwd=REPO, check=True)
     cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--model",
            "smollm2", "--workers", "1", "--db", str(tmp / "kvgate.db"), "--heartbeat-timeout", "60",
-           "--drain-timeout", "5", "--log-format", "text"]
+           "--drain-timeout", "5", "--log-format", "text", *extra]
     with running(cmd, log, f"http://127.0.0.1:{port}/ready"):
         text = log.read_text(errors="replace")
         key, linear, quant = KEY_RE.search(text), LINEAR_RE.search(text), QUANT_RE.search(text)
