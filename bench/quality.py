@@ -39,7 +39,14 @@ def main() -> None:
     ap.add_argument("--kv", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16, int8)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dense-prefill-rows", type=int, default=0,
+                    help="workers.models.linear.DENSE_MIN_ROWS for this run; default 0: every row through the block "
+                         "kernel (int8 activations), as decode runs, so the gate measures the kernel's arithmetic "
+                         "(the dense prefill path is the reference model's weights, exactly)")
     a = ap.parse_args()
+    from workers.models import linear
+
+    linear.DENSE_MIN_ROWS = a.dense_prefill_rows
     torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 

@@ -114,6 +114,7 @@ outs = []
 for bits in (4, 8):
     w = quantize(torch.randn(19, 96, generator=g), bits)
     outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits))
+    outs.append(mod.dequant(w.codes, w.d, w.m, bits, torch.empty(19 * 96)).T[:5])  # (5, 19) of the weights
 torch.save(torch.cat(outs, 1), __import__("sys").argv[1])
 print(mod.isa())
 """
@@ -134,6 +135,31 @@ def test_every_isa_path_agrees(kernel, tmp_path) -> None:  # type: ignore[no-unt
     ref = results["scalar"]
     for isa, got in results.items():
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), isa
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequant_kernel_gives_the_blocks_exact_weights(kernel, bits: int) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(bits)), bits)
+    buf = torch.full((40 * 160 + 7,), float("nan"))  # a larger buffer than needed: only the front is used
+    assert torch.equal(kernel.dequant(w.codes, w.d.half(), None if w.m is None else w.m.half(), bits, buf),
+                       dequantize(w))
+    with pytest.raises(RuntimeError, match="at least N"):
+        kernel.dequant(w.codes, w.d, w.m, bits, torch.empty(10))
+
+
+def test_long_chunks_run_the_dense_path_short_ones_the_kernel(kernel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """From DENSE_MIN_ROWS rows a BlockLinear runs fp32 over the exact de-quantized weights (activations not
+    rounded); below it, the block kernel (activations rounded to int8 per block)."""
+    from workers.models import linear
+
+    monkeypatch.setattr(linear, "DENSE_MIN_ROWS", 8)
+    g = torch.Generator().manual_seed(5)
+    w, bias = quantize(torch.randn(24, 64, generator=g), 4), torch.randn(24, generator=g)
+    layer = BlockLinear(w, bias, kernel)
+    long, short = torch.randn(8, 64, generator=g), torch.randn(7, 64, generator=g)
+    torch.testing.assert_close(layer(long), F.linear(long, dequantize(w), bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(short), _exact(short, w, bias), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer(short), F.linear(short, dequantize(w), bias), rtol=1e-5, atol=1e-5)
 
 
 def test_block_linear_falls_back_to_its_reference_without_the_kernel() -> None:

@@ -52,9 +52,80 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   return out;
 }
 
+// One weight row (nb blocks) to fp32; m null: Q8_0 codes, else Q4_1 nibbles (GGUF order: low nibbles are
+// elements 0..15 of a block, high nibbles 16..31).
+static void dequant_row_scalar(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t nb, float* dst) {
+  for (int64_t j = 0; j < nb; ++j, dst += 32) {
+    const float dj = qgemm::scalar::half_to_float(d[j]);
+    if (!m) {
+      for (int i = 0; i < 32; ++i) dst[i] = dj * static_cast<float>(static_cast<int8_t>(q[j * 32 + i]));
+      continue;
+    }
+    const float mj = qgemm::scalar::half_to_float(m[j]);
+    for (int i = 0; i < 16; ++i) {
+      dst[i] = dj * static_cast<float>(q[j * 16 + i] & 0x0F) + mj;
+      dst[i + 16] = dj * static_cast<float>(q[j * 16 + i] >> 4) + mj;
+    }
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void dequant_row_avx2(const uint8_t* q, const uint16_t* d,
+                                                                     const uint16_t* m, int64_t nb, float* dst) {
+  for (int64_t j = 0; j < nb; ++j, dst += 32) {
+    const __m256 dv = _mm256_set1_ps(_cvtsh_ss(d[j]));
+    const __m256 mv = _mm256_set1_ps(m ? _cvtsh_ss(m[j]) : 0.f);
+    __m128i part[4];  // 4 x 8 codes as the low 8 bytes of each
+    if (m) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16));
+      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+      part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+      for (int k = 0; k < 4; ++k)
+        _mm256_storeu_ps(dst + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[k])), dv, mv));
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        part[k] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * 32 + 8 * k));
+        _mm256_storeu_ps(dst + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[k])), dv));
+      }
+    }
+  }
+}
+
+// The (N, K) fp32 weights the blocks stand for, written into `out` (reused between calls: a fresh tensor of
+// megabytes per call would cost page faults). For long prefill chunks, where an fp32 GEMM (torch's BLAS) beats
+// the block kernel's int8 arithmetic by more than the de-quantization costs (workers/models/linear.py).
+torch::Tensor dequant(torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm, int64_t bits,
+                      torch::Tensor out) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t N = wq.size(0), K = wq.size(1) * (bits == 4 ? 2 : 1), nb = K / 32;
+  TORCH_CHECK(wq.is_contiguous() && wq.element_size() == 1, "wq must be contiguous bytes");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.numel() >= N * K,
+              "out must be a contiguous 1-D fp32 buffer of at least N * K elements");
+  wd = half_scales(wd, N, nb, "wd");
+  if (bits == 4) {
+    TORCH_CHECK(wm.has_value(), "4-bit weights need wm (N, K/32)");
+    wm = half_scales(*wm, N, nb, "wm");
+  }
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(wd.data_ptr());
+  const uint16_t* m = bits == 4 ? reinterpret_cast<const uint16_t*>(wm->data_ptr()) : nullptr;
+  float* o = out.data_ptr<float>();
+  const bool avx2 = qgemm::isa() != qgemm::kScalar;
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      const uint16_t* mn = m ? m + n * nb : nullptr;
+      if (avx2) dequant_row_avx2(q + n * row_bytes, d + n * nb, mn, nb, o + n * K);
+      else dequant_row_scalar(q + n * row_bytes, d + n * nb, mn, nb, o + n * K);
+    }
+  });
+  return out.narrow(0, 0, N * K).view({N, K});
+}
+
 std::string isa() { return qgemm::isa_name(qgemm::isa()); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)");
+  m.def("dequant", &dequant, "the fp32 weights of 4/8-bit blocks, into a reused buffer (CPU)");
   m.def("isa", &isa, "the instruction-set path chosen at run time");
 }

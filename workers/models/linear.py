@@ -20,6 +20,7 @@ Mode rules (``resolve_mode``):
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -30,6 +31,25 @@ from workers.models.quant import QK, BlockWeight, dequantize, quantize
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "none", "int8", "int4")
+# From this many rows (a prefill chunk) a BlockLinear de-quantizes its blocks into a shared fp32 buffer and
+# runs torch's fp32 GEMM: there the arithmetic, not the weight bytes, bounds the step, and BLAS's fp32 beats
+# the block kernel's int8 dot products by more than the de-quantization costs (bench/RESULTS.md, "Prefill").
+# The weights are exactly the blocks' (the mode's reference); activations skip their int8 rounding.
+# KVGATE_DENSE_PREFILL_ROWS overrides it (0: never), for benchmarks.
+DENSE_MIN_ROWS = int(os.environ.get("KVGATE_DENSE_PREFILL_ROWS", "96"))
+
+
+class _Scratch:
+    """One fp32 buffer shared by every BlockLinear of the process (one engine thread runs the model): the
+    largest de-quantized weight, not a dense copy of the model."""
+
+    buf = torch.empty(0)
+
+    @classmethod
+    def at_least(cls, n: int) -> torch.Tensor:
+        if cls.buf.numel() < n:
+            cls.buf = torch.empty(n)
+        return cls.buf
 
 
 class BlockLinear(nn.Module):
@@ -61,6 +81,10 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out) fp32
         if self.dense is not None:
             return F.linear(x, self.dense, self.bias)
+        if 0 < DENSE_MIN_ROWS <= x.shape[0]:
+            w = self._kernel.dequant(self.codes, self.d, self.m, self.bits,
+                                     _Scratch.at_least(self.out_features * self.in_features))
+            return F.linear(x.float(), w, self.bias)  # (T, in) @ (out, in)^T
         out: torch.Tensor = self._kernel.qlinear(x.float(), self.codes, self.d, self.m, self.bias, self.bits)
         return out
 
