@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -100,14 +101,17 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                          f"({r['total_chunks']}; {r['wrong_length_outputs']}) | {fmt(r['output_throughput'])} | "
                          f"{fmt(r['median_ttft_ms'], 0)} | {fmt(r['median_tpot_ms'], 0)} | "
                          f"{fmt(r['median_prompt_tok_s'])} | {r['load_before']} / {r['load_after']} |")
-    if {"kvgate", "llama-server"} <= results.keys():
-        lines += ["", "| workload | output tok/s kvgate / llama-server | TTFT p50 llama / kvgate "
-                  "| TPOT p50 llama / kvgate | prompt tok/s kvgate / llama |", "|---|---:|---:|---:|---:|"]
+    ours = [s for s in results if s != "llama-server"]
+    if "llama-server" in results and ours:
+        lines += ["", "| workload | kvgate server | output tok/s kvgate / llama-server | TTFT p50 llama / kvgate "
+                  "| TPOT p50 llama / kvgate | prompt tok/s kvgate / llama |", "|---|---|---:|---:|---:|---:|"]
         for name, *_ in WORKLOADS:
-            k, l = results["kvgate"].get(name), results["llama-server"].get(name)
-            if k and l:
-                lines.append(f"| {name} | {ratio(k, l, 'output_throughput')} | {ratio(l, k, 'median_ttft_ms')} | "
-                             f"{ratio(l, k, 'median_tpot_ms')} | {ratio(k, l, 'median_prompt_tok_s')} |")
+            for server in ours:
+                k, l = results[server].get(name), results["llama-server"].get(name)
+                if k and l:
+                    lines.append(f"| {name} | {server} | {ratio(k, l, 'output_throughput')} | "
+                                 f"{ratio(l, k, 'median_ttft_ms')} | {ratio(l, k, 'median_tpot_ms')} | "
+                                 f"{ratio(k, l, 'median_prompt_tok_s')} |")
     return "\n".join(lines)
 
 
@@ -121,7 +125,10 @@ def main() -> int:
     ap.add_argument("--llama-python", default="/tmp/llamacpp-venv/bin/python",
                     help="llama-cpp-python's venv for bench/peer_llamacpp.py's single stream (skipped if absent)")
     ap.add_argument("--single-modes", default="none,int4", help="kvgate modes of the single-stream comparison")
-    ap.add_argument("--servers", default="llama-server,kvgate")
+    ap.add_argument("--servers", default="llama-server,kvgate",
+                    help="in this order: llama-server, kvgate (its defaults) and names given by --kvgate-variant")
+    ap.add_argument("--kvgate-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="a kvgate server with more `kvgate serve` flags, e.g. 'kvgate-t2=--num-threads 2' (repeatable)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's request count")
     ap.add_argument("--workloads", default="", help="comma-separated subset of c1,c16,prefix512-c4 (default: all)")
     ap.add_argument("--threads", type=int, default=2)
@@ -129,6 +136,10 @@ def main() -> int:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--log-dir", default="/tmp/kvgate-serve-peer", help="servers' logs, kept after the run")
     a = ap.parse_args()
+    variants = {"kvgate": ""} | dict(v.split("=", 1) for v in a.kvgate_variant)
+    unknown = [n for n in a.servers.split(",") if n != "llama-server" and n not in variants]
+    if unknown:
+        ap.error(f"--servers: {unknown} are neither llama-server, kvgate nor a --kvgate-variant")
     Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     print(cpu_line(), flush=True)
@@ -137,8 +148,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name in a.servers.split(","):
-            start = start_llama_server if name == "llama-server" else start_kvgate
-            with start(a, tmp) as srv:
+            own = tmp / name  # each kvgate its own store: a fresh one prints the demo key the bench uses
+            own.mkdir()
+            start = (start_llama_server(a, own) if name == "llama-server"
+                     else start_kvgate(a, own, shlex.split(variants[name])))
+            with start as srv:
                 notes += srv.notes
                 results[name] = bench_server(srv, a, tmp)
     single = single_stream(a) if a.llama_python else ""

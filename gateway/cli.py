@@ -101,6 +101,9 @@ def _engine_args(g: argparse._ActionsContainer) -> None:
                    help="tokens per engine step (default: each worker sizes it to its machine)")
     g.add_argument("--target-step-ms", type=float, default=None,
                    help="step time the sized budget aims at (default: 500 on a CPU, 100 on a GPU)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads per local worker (default: one per core; with several local workers on one "
+                        "CPU host, give each its share)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
                         '3, "prompt_lookup_max": 3}\' (see README)')
@@ -130,7 +133,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               demo_tenant=not a.no_demo_tenant),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
                           a.max_num_batched_tokens, a.target_step_ms, a.quantization, a.kv_cache_dtype,
-                          a.kv_cache_memory_gib, a.speculative_config),
+                          a.kv_cache_memory_gib, a.speculative_config, a.num_threads),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,

@@ -31,10 +31,11 @@ class EngineArgs:
     kv_cache_dtype: str | None = None  # auto | float32 | bfloat16 | float16 | int8; None: the worker's (auto)
     kv_cache_memory_gib: float | None = None  # CPU KV budget in GiB instead of kv_cache_tokens
     speculative_config: str | None = None  # JSON, vLLM's shape (common.speculative); None: off
+    num_threads: int | None = None  # CPU threads per worker; None: the worker's default (see gateway.cli)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "target_step_ms"):
+                     "target_step_ms", "num_threads"):
             v = getattr(self, name)
             if v is not None and not 1 <= v < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -50,7 +51,7 @@ class EngineArgs:
         if self.kv_cache_dtype is not None:
             out += ["--kv-cache-dtype", self.kv_cache_dtype]
         for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "target_step_ms", "kv_cache_memory_gib"):
+                     "target_step_ms", "kv_cache_memory_gib", "num_threads"):
             v = getattr(self, name)
             if v is not None:
                 out += [f"--{name.replace('_', '-')}", str(v)]

@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-step-ms", type=float, default=None,
                    help="the step time the measured token budget aims at (default: 500 on a CPU, 100 on a GPU)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU: threads for the model's arithmetic (default: torch's, one per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None, metavar="JSON", type=speculative_arg,
                    help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
@@ -59,8 +61,11 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     if target is not None and not 0 < target < float("inf"):
         raise ValueError(f"--target-step-ms must be a number > 0, got {target}")
     budget = a.max_num_batched_tokens
+    threads = getattr(a, "num_threads", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {threads}")
     speculative: SpeculativeConfig | None = getattr(a, "speculative_config", None)
-    return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed,
+    return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed, threads,
                                     quantization=getattr(a, "quantization", "auto")),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     _gib_bytes(getattr(a, "kv_cache_memory_gib", None))),
