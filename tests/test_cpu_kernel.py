@@ -97,3 +97,26 @@ def test_few_long_sequences_split_the_context_and_merge_exactly(backend, hq: int
         torch.set_num_threads(threads)
         backend._mod.set_kv_isa("auto")
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("qlen,cached", [(1, 7), (5, 40), (16, 3), (17, 30)])
+def test_short_chunks_over_a_cached_context_match_the_reference(backend, qlen: int, cached: int,  # type: ignore[no-untyped-def]
+                                                                kv_dtype: torch.dtype) -> None:
+    """A speculative verify step (1 + K query rows after a cached context) runs as decode rows through the
+    kernel: causal, each row up to itself; 17 rows take the reference path (the same answer)."""
+    from kernels_cupy import kv_quant
+    from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS
+
+    assert SHORT_CHUNK_ROWS == 16
+    g = torch.Generator().manual_seed(qlen * 100 + cached)
+    hq, hkv, d, bs, nb = 6, 2, 32, 4, 32
+    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    if kv_dtype == torch.int8:
+        kc, vc = kv_quant.quantize(kc), kv_quant.quantize(vc)
+    seq_len = cached + qlen
+    table = torch.randperm(nb, generator=g)[: -(-seq_len // bs)].to(torch.int32)
+    q = torch.randn(qlen, hq, d, generator=g)
+    ref = TorchAttentionBackend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
+    got = backend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)

@@ -10,6 +10,12 @@ from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.torch_ref import TorchAttentionBackend
 
 
+# A chunk of at most this many query rows over a cached context (a speculative verify step: 1 + K rows) runs
+# as that many decode rows through the kernel, row j seeing the context up to and including itself; longer
+# chunks go through the reference's gather + SDPA, which costs ~0.5 ms a layer in masks and copies.
+SHORT_CHUNK_ROWS = 16
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
@@ -29,4 +35,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = q.shape[0]
         out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache,
                                                    meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        return out
+
+    def _prefill(  # type: ignore[override]
+        self,
+        q: torch.Tensor,  # (qlen, Hq, D)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,  # (max_blocks,)
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:  # (qlen, Hq, D)
+        qlen = q.shape[0]
+        if (qlen > SHORT_CHUNK_ROWS or q.dtype != torch.float32
+                or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8)):
+            return TorchAttentionBackend._prefill(q, k_cache, v_cache, block_table, seq_len, scale)
+        # Causal by construction: row j is a decode over the first seq_len - qlen + j + 1 positions.
+        lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32)  # (qlen,)
+        tables = block_table[None, :].expand(qlen, -1).contiguous()  # (qlen, max_blocks)
+        out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale)
         return out
