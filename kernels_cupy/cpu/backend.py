@@ -37,15 +37,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                                    meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         return out
 
-    def _prefill(  # type: ignore[override]
-        self,
-        q: torch.Tensor,  # (qlen, Hq, D)
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_table: torch.Tensor,  # (max_blocks,)
-        seq_len: int,
-        scale: float,
-    ) -> torch.Tensor:  # (qlen, Hq, D)
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,  # type: ignore[override]
+                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        """q (qlen, Hq, D), block_table (max_blocks,) -> (qlen, Hq, D): the reference's contract."""
         qlen = q.shape[0]
         if (qlen > SHORT_CHUNK_ROWS or q.dtype != torch.float32
                 or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8)):
