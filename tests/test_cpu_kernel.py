@@ -120,3 +120,26 @@ def test_short_chunks_over_a_cached_context_match_the_reference(backend, qlen: i
     ref = TorchAttentionBackend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
     got = backend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # type: ignore[no-untyped-def]
+    """K/V arrive as views of the fused qkv projection (rows strided); fp32 caches take the kernel's copy, a
+    bf16 cache the reference's; both leave the caches as the reference does; a slot past the cache is refused."""
+    g = torch.Generator().manual_seed(3)
+    t, hq, hkv, d, nb, bs = 5, 6, 2, 8, 6, 4
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    _, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(t, hkv, d), v.view(t, hkv, d)
+    meta = _meta([[0, 1, 2, 3, 4, 5]], [t])
+    meta = AttentionMetadata(torch.tensor([3, 9, 10, 17, 0]), meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                             meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [torch.zeros(nb, bs, hkv, d, dtype=dtype) for _ in range(4)]
+        backend.write_kv(k, v, caches[0], caches[1], meta)
+        TorchAttentionBackend().write_kv(k, v, caches[2], caches[3], meta)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        assert caches[0].abs().sum() > 0
+    bad = AttentionMetadata(torch.tensor([3, 9, 10, 17, nb * bs]), meta.query_start_loc, meta.seq_lens,
+                            meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        backend.write_kv(k, v, torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d), bad)

@@ -22,6 +22,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, module: Any) -> None:
         self._mod = module
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """(T, Hkv, D) rows into their slots: the kernel for fp32 caches, the reference otherwise."""
+        if k_cache.dtype != torch.float32 or key.dtype != torch.float32:
+            return super().write_kv(key, value, k_cache, v_cache, meta)
+        self._mod.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return None
+
     def _decode(
         self,
         q: torch.Tensor,  # (nd, Hq, D)
