@@ -14,6 +14,12 @@ from kernels_cupy.torch_ref import TorchAttentionBackend
 # as that many decode rows through the kernel, row j seeing the context up to and including itself; longer
 # chunks go through the reference's gather + SDPA, which costs ~0.5 ms a layer in masks and copies.
 SHORT_CHUNK_ROWS = 16
+_KERNEL_KV = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The paged kernel takes fp32 queries over fp32, bf16 or int8 K/V; anything else runs the reference."""
+    return q.dtype == torch.float32 and k_cache.dtype in _KERNEL_KV
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -38,8 +44,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (nd, Hq, D)
-        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8):
-            return super()._decode(q, k_cache, v_cache, meta, scale)  # fp32 queries, fp32/bf16/int8 K/V only
+        if not _kernel_reads(q, k_cache):
+            return super()._decode(q, k_cache, v_cache, meta, scale)
         nd = q.shape[0]
         out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache,
                                                    meta.block_tables[:nd], meta.seq_lens[:nd], scale)
@@ -49,8 +55,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                  block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         """q (qlen, Hq, D), block_table (max_blocks,) -> (qlen, Hq, D): the reference's contract."""
         qlen = q.shape[0]
-        if (qlen > SHORT_CHUNK_ROWS or q.dtype != torch.float32
-                or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8)):
+        if qlen > SHORT_CHUNK_ROWS or not _kernel_reads(q, k_cache):
             return TorchAttentionBackend._prefill(q, k_cache, v_cache, block_table, seq_len, scale)
         # Causal by construction: row j is a decode over the first seq_len - qlen + j + 1 positions.
         lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32)  # (qlen,)

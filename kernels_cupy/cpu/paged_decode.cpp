@@ -162,7 +162,7 @@ static void attend_rows(const float* qn, const KV* kp, const KV* vp, const int32
     float* sg = scores + g * L;
     float mx = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < L; ++t) mx = std::fmax(mx, sg[t]);
+    for (int64_t t = 0; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;  // not std::fmax: a libm call per element
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) { sg[t] = exp_neg(sg[t] - mx); sum += sg[t]; }
     m[g] = mx;
