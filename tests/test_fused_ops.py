@@ -55,6 +55,20 @@ def test_silu_mul(ops: FusedOps) -> None:
     torch.testing.assert_close(ops.silu_mul(gu), silu_mul_ref(gu))
 
 
+@pytest.mark.parametrize("width", [8, 13, 1536])  # 13: the 8-wide body plus a scalar tail
+def test_silu_mul_over_the_whole_float_range(ops: FusedOps, width: int) -> None:
+    # The vectorised exp clamps its argument: the extremes (where exp(-g) under- or overflows) must still
+    # give silu(g) ~ g for large g and ~ 0 for very negative g, as the reference does.
+    g = torch.Generator().manual_seed(width)
+    gate = torch.randn(4, width, generator=g) * 30
+    gate[0, :8] = torch.tensor([0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 1e30, -1e30])[:width]
+    gate[1] = torch.linspace(-90, 90, width)
+    gu = torch.cat([gate, torch.randn(4, width, generator=g)], dim=1)
+    out = ops.silu_mul(gu)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, silu_mul_ref(gu), rtol=2e-6, atol=1e-6)
+
+
 def test_the_loader_gives_an_fp32_cpu_model_the_fused_ops(ops: FusedOps) -> None:
     # End to end, the fused path is checked by tests/test_engine_tiny.py (greedy = transformers) and the
     # golden test on SmolLM2: both run it, since the engine's fp32 CPU models get it here.
