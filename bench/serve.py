@@ -147,7 +147,9 @@ async def run_http(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[lis
     import httpx
 
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    limits = httpx.Limits(max_connections=a.max_concurrency or len(prompts))
+    # No keep-alive: a fresh loopback connection per request, for every server alike. llama-server closes idle
+    # keep-alive connections, and a request sent on one as it closed failed with RemoteProtocolError (2 of 8).
+    limits = httpx.Limits(max_connections=a.max_concurrency or len(prompts), max_keepalive_connections=0)
     sem = asyncio.Semaphore(a.max_concurrency or len(prompts))
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(a.max_duration), limits=limits) as client:
         async def limited(p: list[int], n: int) -> Result:

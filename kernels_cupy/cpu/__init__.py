@@ -27,7 +27,7 @@ def load() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         return load_extension("kvgate_cpu_paged_decode", [_SRC], headers=[_SRC.with_name("paged_decode_avx2.h")],
-                              cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
+                              cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)
         return None

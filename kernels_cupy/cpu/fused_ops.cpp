@@ -164,8 +164,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of x (after x += delta, in place, where given)");
   m.def("rope_", &rope_, "rotary embedding of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }
+#endif

@@ -312,8 +312,10 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   }
 }
 
+#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "the step's K/V rows into their fp32 cache slots (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU, fp32 queries)");
   m.def("set_kv_isa", &set_kv_isa, "int8 KV path: auto, avx2 or scalar; returns the one chosen");
 }
+#endif

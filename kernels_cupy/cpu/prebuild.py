@@ -19,8 +19,10 @@ def _loaders() -> list[tuple[str, Callable[[], Any | None]]]:
     from kernels_cupy.cpu import load
     from kernels_cupy.cpu.fused import load_fused
     from kernels_cupy.cpu.qgemm import load_qgemm
+    from kernels_cupy.cpu.stack import load_stack
 
-    return [("paged attention", load), ("quantized GEMM", load_qgemm), ("fused decoder ops", load_fused)]
+    return [("paged attention", load), ("quantized GEMM", load_qgemm), ("fused decoder ops", load_fused),
+            ("decode layer stack", load_stack)]
 
 
 def main() -> int:

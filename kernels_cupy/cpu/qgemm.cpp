@@ -124,8 +124,10 @@ torch::Tensor dequant(torch::Tensor wq, torch::Tensor wd, c10::optional<torch::T
 
 std::string isa() { return qgemm::isa_name(qgemm::isa()); }
 
+#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)");
   m.def("dequant", &dequant, "the fp32 weights of 4/8-bit blocks, into a reused buffer (CPU)");
   m.def("isa", &isa, "the instruction-set path chosen at run time");
 }
+#endif

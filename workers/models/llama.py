@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+from workers.models.decode_stack import DecodeStack
 from workers.models.fused import REFERENCE, FusedOps, rms_norm_ref
 
 
@@ -189,6 +190,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_len)
         self.ops = REFERENCE  # the fused C++ ops are set by the loader where they were built
+        self.stack_kernel: Any | None = None  # the decode-stack module, set by the loader where it was built
+        self._stack: DecodeStack | None | bool = False  # False: not built yet (on the first decode step,
+        # when quantization has swapped the linears; weights are referenced, so later in-place loads are seen)
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The C++ layer stack for decode-only steps, built once, or None where it cannot run this model."""
+        if self._stack is False:
+            c = self.cfg
+            self._stack = DecodeStack.build(self.stack_kernel, self.layers, c.num_attention_heads,
+                                            c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        return self._stack if isinstance(self._stack, DecodeStack) else None
 
     def forward(
         self,
@@ -202,11 +214,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # (T, H): a fresh tensor, the residual stream updated in place
         tables = (cast(torch.Tensor, self.rotary.cos), cast(torch.Tensor, self.rotary.sin))
         rows = None if self.ops.usable(x) else self.rotary(positions, x.dtype)
-        step = StepCtx(self.ops, positions, tables, rows)
         delta: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches):
-            step.kv = kv
-            delta = layer(x, delta, step, meta, backend)
+        stack = self.decode_stack()
+        if stack is not None and rows is None and stack.runs(x, meta, backend, kv_caches):
+            delta = stack.forward(x, positions, kv_caches, meta, tables)
+        else:
+            step = StepCtx(self.ops, positions, tables, rows)
+            for layer, kv in zip(self.layers, kv_caches):
+                step.kv = kv
+                delta = layer(x, delta, step, meta, backend)
         x, delta = x[logits_indices], None if delta is None else delta[logits_indices]
         x = self.ops.rms_norm(x, delta, self.norm.weight, self.norm.eps)  # (S, H): only sampled rows
         return self.lm_head(x).float()

@@ -107,6 +107,10 @@ def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: i
         from workers.models.fused import FusedOps
 
         model.ops = FusedOps(load_fused())
+        if model.ops.kernel is not None:  # the stack runs the fused ops' kernels: both or neither
+            from kernels_cupy.cpu.stack import load_stack
+
+            model.stack_kernel = load_stack()
     return model.eval()
 
 

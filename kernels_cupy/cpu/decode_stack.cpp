@@ -1,0 +1,117 @@
+// The decoder layers of a decode-only step in one call: for a single stream of SmolLM2 the Python path ran
+// ~12 module and kernel calls a layer (360 a step), ~4 ms of dispatch against ~7 ms of arithmetic. Here the
+// same kernels run in the same order with the same arithmetic, called from C++ with the GIL released.
+//
+// One translation unit: the kernels' own sources are included (their Python modules compiled out with
+// KVGATE_ONE_TU), so this module needs nothing from the others at run time and cannot drift from them.
+// Built with the union of their flags: -march=native (the decode attention's AVX2 body), -ffp-contract=off
+// (rope rounds like torch's), OpenMP. The quantized GEMM still picks its instruction set at run time.
+//
+// The Python side (workers/models/decode_stack.py) decides when a step may run here: decode rows only, fp32
+// activations and caches, every projection a block or fp32 linear. It is checked against the module path by
+// tests/test_decode_stack.py.
+#define KVGATE_ONE_TU 1
+#include "qgemm.cpp"
+#include "paged_decode.cpp"
+#include "fused_ops.cpp"
+
+#include <vector>
+
+namespace decode_stack {
+
+// One projection: GGUF-style blocks (bits 4 or 8, the qgemm kernel) or an fp32 weight (bits 0, torch's GEMM).
+struct Linear {
+  int64_t bits = 0;
+  torch::Tensor wq, wd, wm, bias, dense;  // undefined where the layer has none
+
+  torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
+    const c10::optional<torch::Tensor> b = bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+    if (bits == 0) return at::linear(x, dense, b);
+    const c10::optional<torch::Tensor> m = wm.defined() ? c10::optional<torch::Tensor>(wm) : c10::nullopt;
+    return qlinear(x, wq, wd, m, b, bits);
+  }
+};
+
+struct Layer {
+  torch::Tensor norm1, norm2;  // (H,) fp32
+  Linear qkv, o, gate_up, down;
+};
+
+class Stack {
+ public:
+  // tensors: per layer norm1, norm2, then for qkv, o, gate_up, down in turn: wq, wd, wm, bias, dense (None
+  // where absent); bits: per layer the four projections' widths (0: fp32 `dense`).
+  Stack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& bits, int64_t hq,
+        int64_t hkv, int64_t head_dim, double eps)
+      : hq_(hq), hkv_(hkv), d_(head_dim), eps_(eps) {
+    TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0 && head_dim % 2 == 0, "bad head layout");
+    TORCH_CHECK(tensors.size() % 22 == 0 && bits.size() * 22 == tensors.size() * 4, "22 tensors and 4 widths a layer");
+    auto get = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : torch::Tensor(); };
+    for (size_t l = 0; l < tensors.size() / 22; ++l) {
+      const size_t t0 = l * 22;
+      Layer layer;
+      layer.norm1 = get(t0), layer.norm2 = get(t0 + 1);
+      Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (size_t j = 0; j < 4; ++j) {
+        Linear& lin = *lins[j];
+        const size_t b = t0 + 2 + 5 * j;
+        lin.bits = bits[l * 4 + j];
+        lin.wq = get(b), lin.wd = get(b + 1), lin.wm = get(b + 2), lin.bias = get(b + 3), lin.dense = get(b + 4);
+        TORCH_CHECK(lin.bits == 0 ? lin.dense.defined() : (lin.wq.defined() && lin.wd.defined()),
+                    "layer ", l, " projection ", j, ": weights missing for its width");
+      }
+      TORCH_CHECK(layer.norm1.defined() && layer.norm2.defined(), "layer ", l, ": norm weights missing");
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: (T, H) fp32, the residual stream after the embedding, updated in place as the module path does;
+  // returns the last layer's MLP output (T, H), which the final norm adds. T decode rows, row i the single
+  // new token of sequence i: block_tables (T, MAXB) int32, seq_lens (T,) int32 (including the new token),
+  // slots (T,) int64, positions (T,) int64; k_caches/v_caches per layer (NB, BS, Hkv, D) fp32; cos/sin the
+  // (max_len, D) rope tables.
+  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& k_caches,
+                        const std::vector<torch::Tensor>& v_caches, const torch::Tensor& block_tables,
+                        const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& positions,
+                        const torch::Tensor& cos, const torch::Tensor& sin, double scale) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: (T, H) fp32");
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one K/V cache a layer");
+    const int64_t t = x.size(0);
+    TORCH_CHECK(block_tables.size(0) == t && seq_lens.numel() == t && slots.numel() == t && positions.numel() == t,
+                "decode rows only: one table row, length, slot and position per row of x");
+    const int64_t qw = hq_ * d_, kw = hkv_ * d_;
+    torch::Tensor delta;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& ly = layers_[l];
+      const c10::optional<torch::Tensor> prev = delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt;
+      torch::Tensor qkv = ly.qkv(rms_norm(x, prev, ly.norm1, eps_));  // (T, (Hq + 2 Hkv) D)
+      rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
+      write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}),
+               k_caches[l], v_caches[l], slots);
+      torch::Tensor q = qkv.narrow(1, 0, qw).reshape({t, hq_, d_}).contiguous();  // (T, Hq, D)
+      torch::Tensor attn = paged_decode(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+      torch::Tensor a = ly.o(attn.view({t, qw}));  // (T, H)
+      delta = ly.down(silu_mul(ly.gate_up(rms_norm(x, a, ly.norm2, eps_))));  // x += a inside the norm
+    }
+    return delta;
+  }
+
+ private:
+  int64_t hq_, hkv_, d_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace decode_stack
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<decode_stack::Stack>(m, "Stack")
+      .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&, int64_t,
+                          int64_t, int64_t, double>())
+      .def("num_layers", &decode_stack::Stack::num_layers)
+      .def("forward", &decode_stack::Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "the decoder layers of a decode-only step; returns the last MLP output");
+  m.def("isa", &isa, "the quantized GEMM's instruction-set path chosen at run time");
+}

@@ -1,0 +1,93 @@
+"""Decode-only steps through the C++ layer stack (``kernels_cupy/cpu/decode_stack.cpp``).
+
+The module path calls ~12 modules and kernels per decoder layer; for a single stream of SmolLM2 that
+dispatch (~4 ms a step) was a third of the step. The stack runs the same kernels in the same order from
+C++ and returns what the last layer's MLP gave, so the model's final norm and head run as before.
+It runs a step only where it computes what the module path would (anything else takes the module path):
+decode rows only (every sequence one new token), fp32 activations and KV caches, the CPU attention kernel,
+fewer rows than the dense-prefill threshold (past it a block linear switches to fp32 GEMM), and projections
+that are block linears or fp32 ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels_cupy.cpu.backend import CpuAttentionBackend
+from kernels_cupy.interface import AttentionMetadata
+from workers.models import linear as linear_mod
+from workers.models.linear import BlockLinear
+
+
+def _linear_spec(m: nn.Module) -> tuple[int, list[torch.Tensor | None]] | None:
+    """(bits, [codes, d, m, bias, dense]) for the C++ side, or None where it cannot run the layer."""
+    if isinstance(m, BlockLinear):
+        if m.dense is not None:  # no kernel: the reference's fp32 weights
+            return 0, [None, None, None, m.bias, m.dense]
+        return m.bits, [m.codes, m.d, m.m, m.bias, None]
+    if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+        bias = None if m.bias is None else m.bias.detach()
+        return 0, [None, None, None, bias, m.weight.detach()]
+    return None
+
+
+def _parts(layer: Any) -> tuple[list[torch.Tensor], list[nn.Module]]:
+    """A DecoderLayer's two norm weights and four projections, in the order decode_stack.cpp takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return norms, [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+class DecodeStack:
+    """The model's decoder layers as one C++ object holding references to their weights (no copies)."""
+
+    def __init__(self, kernel: Any, layers: nn.ModuleList, hq: int, hkv: int, head_dim: int, eps: float) -> None:
+        tensors: list[torch.Tensor | None] = []
+        bits: list[int] = []
+        for layer in layers:
+            norms, projs = _parts(layer)
+            tensors += [w.detach() for w in norms]
+            for proj in projs:
+                spec = _linear_spec(proj)
+                if spec is None:
+                    raise ValueError(f"no decode-stack path for {type(proj).__name__}")
+                bits.append(spec[0])
+                tensors += spec[1]
+        self._stack = kernel.Stack(tensors, bits, hq, hkv, head_dim, eps)
+        self.scale = head_dim ** -0.5
+
+    @staticmethod
+    def build(kernel: Any | None, layers: nn.ModuleList, hq: int, hkv: int, head_dim: int,
+              eps: float) -> DecodeStack | None:
+        """The stack, or None where the kernel is missing or a layer has no C++ path (its dtype, its kind)."""
+        if kernel is None:
+            return None
+        for layer in layers:
+            norms, projs = _parts(layer)
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+                return None
+            if any(_linear_spec(p) is None for p in projs):
+                return None
+        return DecodeStack(kernel, layers, hq, hkv, head_dim, eps)
+
+    @staticmethod
+    def runs(x: torch.Tensor, meta: AttentionMetadata, backend: Any,
+             kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this step is one the stack computes exactly as the module path would."""
+        t = x.shape[0]
+        dense_rows = linear_mod.DENSE_MIN_ROWS
+        return (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
+                and 0 < t == meta.num_decodes == meta.num_seqs and (dense_rows <= 0 or t < dense_rows)
+                and all(k.dtype == torch.float32 and v.dtype == torch.float32 for k, v in kv_caches))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H)."""
+        t = x.shape[0]
+        out: torch.Tensor = self._stack.forward(
+            x, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.block_tables[:t], meta.seq_lens[:t],
+            meta.slot_mapping, positions, tables[0], tables[1], self.scale)
+        return out
