@@ -35,14 +35,20 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   auto qa = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto sa = torch::empty({M, nb}, x.options());
   auto xs = torch::empty({M, nb}, x.options());
+  // 4-bit weights on a SIMD path: activations in block-pair order with sa8 (qgemm_impl.h, quantize_rows_q4).
+  const bool pairs = bits == 4 && qgemm::isa() != qgemm::kScalar;
+  const int64_t np = nb / 2;
+  auto sa8 = torch::empty({pairs ? M * np * 8 : 0}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qap = qa.data_ptr<int8_t>();
   float* sap = sa.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
+  float* s8p = sa8.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    qgemm::quantize_rows(xp + b * K, e - b, K, qap + b * K, sap + b * nb, xsp + b * nb);
+    if (pairs) qgemm::quantize_rows_q4(xp + b * K, e - b, K, qap + b * K, sap + b * nb, xsp + b * nb, s8p + b * np * 8);
+    else qgemm::quantize_rows(xp + b * K, e - b, K, qap + b * K, sap + b * nb, xsp + b * nb);
   });
-  qgemm::QArgs a{M, N, K, bits, qap, sap, xsp, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
+  qgemm::QArgs a{M, N, K, bits, qap, sap, xsp, pairs ? s8p : nullptr, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
                  reinterpret_cast<const uint16_t*>(wd.data_ptr()),
                  bits == 4 ? reinterpret_cast<const uint16_t*>(wm->data_ptr()) : nullptr,
                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>()};

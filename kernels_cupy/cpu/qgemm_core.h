@@ -27,6 +27,8 @@ struct QArgs {
   const int8_t* qa;    // (M, K) activation codes
   const float* sa;     // (M, K/32) activation scales
   const float* xsum;   // (M, K/32) per-block sums of the quantized x (scale * sum of codes)
+  const float* sa8;    // SIMD 4-bit paths only, else null: (M, K/64, 8) each block pair's scales, 4 copies each,
+                       // and qa in pair order (qgemm_impl.h, quantize_rows_q4)
   const uint8_t* wq;   // weight codes, see above
   const uint16_t* wd;  // (N, K/32) fp16 bits
   const uint16_t* wm;  // (N, K/32) fp16 bits, or null (bits 8)
@@ -141,6 +143,15 @@ static Isa isa() {
 }
 
 static inline const char* isa_name(Isa i) { return i == kVnni ? "avx512-vnni" : i == kAvx2 ? "avx2" : "scalar"; }
+
+// Activations for the 4-bit SIMD kernels: the same codes as quantize_rows in block-pair order, plus sa8.
+static void quantize_rows_q4(const float* x, int64_t rows, int64_t K, int8_t* q, float* s, float* xsum, float* sa8) {
+  switch (isa()) {
+    case kVnni: vnni::quantize_rows_q4(x, rows, K, q, s, xsum, sa8); break;
+    case kAvx2: avx2::quantize_rows_q4(x, rows, K, q, s, xsum, sa8); break;
+    default: break;  // the scalar path reads natural order (quantize_rows): callers never get here
+  }
+}
 
 static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* s, float* xsum) {
   switch (isa()) {
