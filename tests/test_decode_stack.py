@@ -7,6 +7,7 @@ difference of 1e-6 flips int8 activation codes and reached 0.06 in the logits wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from tests.tiny import hf_model, random_prompts, run_all
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
+from workers.core.spec_decode import SpeculativeConfig
 from workers.engine import LLMEngine, build_model, engine_from_model
 from workers.models.decode_stack import DecodeStack
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
@@ -47,8 +49,10 @@ def _model(eng: LLMEngine) -> LlamaForCausalLM:
     return model
 
 
-def _record(eng: LLMEngine, use_stack: bool) -> tuple[list[torch.Tensor], dict[str, list[int]], int]:
-    """Run four requests of different lengths; the logits of every step, the tokens, and stack calls made."""
+def _record(eng: LLMEngine, use_stack: bool, prompts: list[list[int]] | None = None,
+            multi: list[int] | None = None) -> tuple[list[torch.Tensor], dict[str, list[int]], int]:
+    """Run four requests of different lengths; the logits of every step, the tokens, and stack calls made
+    (``multi`` collects the calls where some sequence had several query rows: speculative verify steps)."""
     model = _model(eng)
     calls = 0
     if use_stack:
@@ -56,10 +60,12 @@ def _record(eng: LLMEngine, use_stack: bool) -> tuple[list[torch.Tensor], dict[s
         assert stack is not None
         inner = stack.forward
 
-        def counted(*a: Any, **k: Any) -> torch.Tensor:
+        def counted(x: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any, tables: Any) -> torch.Tensor:
             nonlocal calls
             calls += 1
-            return inner(*a, **k)
+            if multi is not None and x.shape[0] > meta.num_seqs:
+                multi.append(x.shape[0])
+            return inner(x, positions, kv, meta, tables)
 
         stack.forward = counted  # type: ignore[method-assign]
     else:
@@ -73,7 +79,7 @@ def _record(eng: LLMEngine, use_stack: bool) -> tuple[list[torch.Tensor], dict[s
         return out
 
     model.forward = spy  # type: ignore[method-assign]
-    for i, p in enumerate(random_prompts(4, 3, 40, seed=5)):
+    for i, p in enumerate(prompts or random_prompts(4, 3, 40, seed=5)):
         eng.add_request(f"r{i}", p, GREEDY)
     return logits, run_all(eng), calls
 
@@ -93,6 +99,24 @@ def test_stack_matches_the_module_path(stack_kernel: Any, quantization: str, ove
     caches_a, caches_b = eng_a.runner.kv_caches, eng_b.runner.kv_caches  # type: ignore[attr-defined]
     for (ka, va), (kb, vb) in zip(caches_a, caches_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_speculative_verify_steps_run_in_the_stack(stack_kernel: Any, quantization: str) -> None:
+    # Prompts that repeat themselves, so the n-gram proposer drafts and verify steps (1 + K rows a sequence)
+    # happen; the backend runs those rows as decode rows, and so does the stack: still bit-identical.
+    hf = hf_model(seed=4)
+    prompts = [p * 3 for p in random_prompts(3, 6, 12, seed=6)]
+    spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=10_000, acceptance_threshold=0.0)
+    engines = [_engine(hf, quantization), _engine(hf, quantization)]
+    for eng in engines:
+        eng.scheduler.config = dataclasses.replace(eng.scheduler.config, speculative=spec)
+    multi: list[int] = []
+    got, tokens_a, _ = _record(engines[0], True, prompts, multi)
+    want, tokens_b, _ = _record(engines[1], False, prompts)
+    assert multi  # verify steps ran in the stack
+    assert tokens_a == tokens_b and len(got) == len(want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_stack_leaves_steps_it_cannot_run_to_the_modules(stack_kernel: Any) -> None:

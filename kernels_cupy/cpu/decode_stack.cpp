@@ -7,7 +7,8 @@
 // Built with the union of their flags: -march=native (the decode attention's AVX2 body), -ffp-contract=off
 // (rope rounds like torch's), OpenMP. The quantized GEMM still picks its instruction set at run time.
 //
-// The Python side (workers/models/decode_stack.py) decides when a step may run here: decode rows only, fp32
+// The Python side (workers/models/decode_stack.py) decides when a step may run here: rows that attend as
+// decode rows (decodes, and short chunks over a cached context such as speculative verify steps), fp32
 // activations and caches, every projection a block or fp32 linear. It is checked against the module path by
 // tests/test_decode_stack.py.
 #define KVGATE_ONE_TU 1
@@ -68,8 +69,8 @@ class Stack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x: (T, H) fp32, the residual stream after the embedding, updated in place as the module path does;
-  // returns the last layer's MLP output (T, H), which the final norm adds. T decode rows, row i the single
-  // new token of sequence i: block_tables (T, MAXB) int32, seq_lens (T,) int32 (including the new token),
+  // returns the last layer's MLP output (T, H), which the final norm adds. T rows, each attending as a decode
+  // row: block_tables (T, MAXB) int32 its sequence's table, seq_lens (T,) int32 the context it sees (itself included),
   // slots (T,) int64, positions (T,) int64; k_caches/v_caches per layer (NB, BS, Hkv, D) fp32; cos/sin the
   // (max_len, D) rope tables.
   torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& k_caches,

@@ -4,7 +4,8 @@ The module path calls ~12 modules and kernels per decoder layer; for a single st
 dispatch (~4 ms a step) was a third of the step. The stack runs the same kernels in the same order from
 C++ and returns what the last layer's MLP gave, so the model's final norm and head run as before.
 It runs a step only where it computes what the module path would (anything else takes the module path):
-decode rows only (every sequence one new token), fp32 activations and KV caches, the CPU attention kernel,
+decode rows and short chunks over a cached context (speculative verify steps, whose rows the CPU backend runs
+as decode rows too), fp32 activations and KV caches, the CPU attention kernel,
 fewer rows than the dense-prefill threshold (past it a block linear switches to fp32 GEMM), and projections
 that are block linears or fp32 ``nn.Linear``.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_cupy.cpu.backend import CpuAttentionBackend
+from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS, CpuAttentionBackend
 from kernels_cupy.interface import AttentionMetadata
 from workers.models import linear as linear_mod
 from workers.models.linear import BlockLinear
@@ -76,18 +77,37 @@ class DecodeStack:
     @staticmethod
     def runs(x: torch.Tensor, meta: AttentionMetadata, backend: Any,
              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether this step is one the stack computes exactly as the module path would."""
+        """Whether this step is one the stack computes exactly as the module path would: every sequence a
+        decode or a short chunk over a cached context (a speculative verify step: the CPU backend runs its
+        rows as decode rows too), fp32 throughout, fewer rows than the dense-prefill threshold."""
         t = x.shape[0]
         dense_rows = linear_mod.DENSE_MIN_ROWS
-        return (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
-                and 0 < t == meta.num_decodes == meta.num_seqs and (dense_rows <= 0 or t < dense_rows)
-                and all(k.dtype == torch.float32 and v.dtype == torch.float32 for k, v in kv_caches))
+        if not (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
+                and 0 < t and (dense_rows <= 0 or t < dense_rows)):
+            return False
+        for i in range(meta.num_decodes, meta.num_seqs):  # a chunk with nothing cached runs SDPA instead
+            if not meta.query_lens_cpu[i] <= SHORT_CHUNK_ROWS or meta.query_lens_cpu[i] >= meta.seq_lens_cpu[i]:
+                return False
+        return all(k.dtype == torch.float32 and v.dtype == torch.float32 for k, v in kv_caches)
+
+    @staticmethod
+    def row_tables(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query row as a decode row: its sequence's block table (T, MAXB) and the context it sees (T,),
+        row j of a chunk of q rows over s tokens seeing s - q + j + 1 (causal, as the backend's short chunks)."""
+        if meta.num_decodes == meta.num_seqs:
+            return meta.block_tables[:t], meta.seq_lens[:t]
+        owner: list[int] = []
+        lens: list[int] = []
+        for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            owner += [i] * q
+            lens += range(s - q + 1, s + 1)
+        return meta.block_tables[torch.tensor(owner)], torch.tensor(lens, dtype=torch.int32)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H)."""
-        t = x.shape[0]
+        block_tables, seq_lens = self.row_tables(meta, x.shape[0])
         out: torch.Tensor = self._stack.forward(
-            x, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.block_tables[:t], meta.seq_lens[:t],
+            x, [k for k, _ in kv_caches], [v for _, v in kv_caches], block_tables, seq_lens,
             meta.slot_mapping, positions, tables[0], tables[1], self.scale)
         return out
