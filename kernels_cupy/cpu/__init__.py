@@ -26,8 +26,11 @@ def load() -> Any | None:
     try:
         from kernels_cupy.cpu.build import load_extension
 
+        # -ffp-contract=off in every CPU kernel build: the decode stack (stack.py) compiles these sources again
+        # in one unit and must round exactly as they do.
         return load_extension("kvgate_cpu_paged_decode", [_SRC], headers=[_SRC.with_name("paged_decode_avx2.h")],
-                              cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
+                              cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                              ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)
         return None

@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         # when quantization has swapped the linears; weights are referenced, so later in-place loads are seen)
 
     def decode_stack(self) -> DecodeStack | None:
-        """The C++ layer stack for decode-only steps, built once, or None where it cannot run this model."""
+        """The C++ layer stack for decode and verify steps, built once, or None where it cannot run this model."""
         if self._stack is False:
             c = self.cfg
             self._stack = DecodeStack.build(self.stack_kernel, self.layers, c.num_attention_heads,
