@@ -25,12 +25,16 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.timeout(180)
 
 TIMEOUT_S = 3.0
+STEP_DELAY_S = 0.002  # 3,000 tokens >= 6 s, twice the deadline
 
 
 @pytest.fixture(scope="module")
 def chaos_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # Every step held 2 ms (the worker's drill hook): the long requests below must outlive the 3 s deadline on
+    # any machine, and the tiny model alone streamed 3,000 tokens in under 3 s once decode steps ran in C++.
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("chaos") / "gateway.log",
-                       "--request-timeout", str(TIMEOUT_S), "--max-queued-requests", "2")
+                       "--request-timeout", str(TIMEOUT_S), "--max-queued-requests", "2",
+                       env={"KVGATE_DEBUG_STEP_DELAY": str(STEP_DELAY_S)})
     yield srv
     srv.stop()
 
