@@ -112,7 +112,11 @@ def origins() -> Iterator[Origins]:
 
 @contextmanager
 def _gateway(model_dir: Path, log_dir: Path, allowed: str) -> Iterator[Server]:
-    srv = start_server(model_dir, log_dir / "gateway.log", "--cors-origin", allowed)
+    # Steps held 2 ms each (the worker's KVGATE_DEBUG_STEP_DELAY drill hook): a page that watches a running
+    # answer (the operator page, Stop) needs a 3,000-token answer to last seconds on any machine; the tiny
+    # model alone streams it in about two once decode steps run in C++.
+    srv = start_server(model_dir, log_dir / "gateway.log", "--cors-origin", allowed,
+                       env={"KVGATE_DEBUG_STEP_DELAY": "0.002"})
     try:
         yield srv
     finally:
