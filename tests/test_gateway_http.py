@@ -39,8 +39,11 @@ def offline(tiny_model_dir):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared server, pinned to fp32 linears: greedy output is compared with the fp32 offline engine."""
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log", "--quantization", "none")
+    """The shared server, pinned to fp32 linears: greedy output is compared with the fp32 offline engine. Steps are
+    held 2 ms each (the worker's KVGATE_DEBUG_STEP_DELAY drill hook) so the disconnect tests' 3,000-token requests
+    outlive the 0.5 s stats interval on any machine, however fast its decode steps."""
+    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log", "--quantization", "none",
+                       env={"KVGATE_DEBUG_STEP_DELAY": "0.002"})
     yield srv
     srv.stop()
 
