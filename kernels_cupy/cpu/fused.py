@@ -22,8 +22,9 @@ def load_fused() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         # -ffp-contract=off: no fused multiply-adds, so rope rounds like the torch reference, op for op.
-        return load_extension("kvgate_cpu_fused_ops", [Path(__file__).with_name("fused_ops.cpp")],
-                              cflags=["-O3", "-ffp-contract=off"], ldflags=[])
+        here = Path(__file__)
+        return load_extension("kvgate_cpu_fused_ops", [here.with_name("fused_ops.cpp")],
+                              headers=[here.with_name("simd_exp.h")], cflags=["-O3", "-ffp-contract=off"], ldflags=[])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("fused CPU ops unavailable (%s); using the torch reference ops", e)
         return None

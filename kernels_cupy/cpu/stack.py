@@ -22,10 +22,10 @@ def load_stack() -> Any | None:
     try:
         from kernels_cupy.cpu.build import load_extension
 
-        sources = ["qgemm.cpp", "paged_decode.cpp", "fused_ops.cpp", "paged_decode_avx2.h", "qgemm_core.h",
-                   "qgemm_impl.h"]
+        included = ["qgemm.cpp", "paged_decode.cpp", "fused_ops.cpp", "paged_decode_avx2.h", "qgemm_core.h",
+                    "qgemm_impl.h", "simd_exp.h"]
         return load_extension("kvgate_cpu_decode_stack", [_DIR / "decode_stack.cpp"],
-                              headers=[_DIR / s for s in sources],
+                              headers=[_DIR / s for s in included],
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: the module path runs
         log.warning("CPU decode stack unavailable (%s); decode steps run the model's modules", e)
