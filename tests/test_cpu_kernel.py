@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.torch_ref import TorchAttentionBackend
+from tests.cpu_support import built
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +15,7 @@ def backend():  # type: ignore[no-untyped-def]
     from kernels_cupy.cpu import load
     from kernels_cupy.cpu.backend import CpuAttentionBackend
 
-    mod = load()
-    if mod is None:
-        if os.environ.get("KVGATE_CPU_KERNEL") == "0":
-            pytest.skip("CPU kernel switched off with KVGATE_CPU_KERNEL=0")
-        pytest.fail("the CPU kernel failed to build on a machine that has the toolchain")
-    return CpuAttentionBackend(mod)
+    return CpuAttentionBackend(built(load(), "the CPU kernel"))
 
 
 def _meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:

@@ -8,13 +8,13 @@ difference of 1e-6 flips int8 activation codes and reached 0.06 in the logits wi
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
 import torch
 
 from kernels_cupy.cpu.stack import load_stack
+from tests.cpu_support import built
 from tests.tiny import hf_model, random_prompts, run_all
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.sampling_params import SamplingParams
@@ -29,12 +29,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def stack_kernel() -> Any:
-    mod = load_stack()
-    if mod is None:
-        if os.environ.get("KVGATE_CPU_KERNEL") == "0":
-            pytest.skip("CPU kernels switched off with KVGATE_CPU_KERNEL=0")
-        pytest.fail("the decode stack failed to build on a machine that has the toolchain")
-    return mod
+    return built(load_stack(), "the decode stack")
 
 
 def _engine(hf: Any, quantization: str, kv_dtype: str = "auto") -> LLMEngine:

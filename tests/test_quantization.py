@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels_cupy.cpu.qgemm import load_qgemm
 from kernels_cupy.torch_ref import TorchAttentionBackend
+from tests.cpu_support import built
 from tests.tiny import hf_model
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.scheduler import SchedulerConfig
@@ -39,12 +40,7 @@ RMS_TOLERANCE, MAX_TOLERANCE = 0.02, 0.10  # of the reference logits' std, see t
 
 @pytest.fixture(scope="module")
 def kernel():  # type: ignore[no-untyped-def]
-    mod = load_qgemm()
-    if mod is None:
-        if os.environ.get("KVGATE_CPU_KERNEL") == "0":
-            pytest.skip("CPU kernels switched off with KVGATE_CPU_KERNEL=0")
-        pytest.fail("the quantized GEMM kernel failed to build on a machine that has the toolchain")
-    return mod
+    return built(load_qgemm(), "the quantized GEMM kernel")
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
