@@ -22,6 +22,14 @@ def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.dtype == torch.float32 and k_cache.dtype in _KERNEL_KV
 
 
+def chunk_as_decode_rows(block_table: torch.Tensor, seq_len: int, qlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``qlen`` query rows of a sequence of ``seq_len`` tokens as that many decode rows, causal by
+    construction: row j sees the first seq_len - qlen + j + 1 positions. block_table (max_blocks,) ->
+    tables (qlen, max_blocks) int32, lens (qlen,) int32."""
+    lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32)
+    return block_table[None, :].expand(qlen, -1), lens
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
@@ -57,8 +65,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         qlen = q.shape[0]
         if qlen > SHORT_CHUNK_ROWS or not _kernel_reads(q, k_cache):
             return TorchAttentionBackend._prefill(q, k_cache, v_cache, block_table, seq_len, scale)
-        # Causal by construction: row j is a decode over the first seq_len - qlen + j + 1 positions.
-        lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32)  # (qlen,)
-        tables = block_table[None, :].expand(qlen, -1).contiguous()  # (qlen, max_blocks)
-        out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale)
+        tables, lens = chunk_as_decode_rows(block_table, seq_len, qlen)
+        out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache, tables.contiguous(), lens, scale)
         return out

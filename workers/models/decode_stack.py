@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS, CpuAttentionBackend
+from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS, CpuAttentionBackend, chunk_as_decode_rows
 from kernels_cupy.interface import AttentionMetadata
 from workers.models import linear as linear_mod
 from workers.models.linear import BlockLinear
@@ -93,15 +93,12 @@ class DecodeStack:
     @staticmethod
     def row_tables(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query row as a decode row: its sequence's block table (T, MAXB) and the context it sees (T,),
-        row j of a chunk of q rows over s tokens seeing s - q + j + 1 (causal, as the backend's short chunks)."""
+        as the CPU backend runs a short chunk (chunk_as_decode_rows)."""
         if meta.num_decodes == meta.num_seqs:
             return meta.block_tables[:t], meta.seq_lens[:t]
-        owner: list[int] = []
-        lens: list[int] = []
-        for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            owner += [i] * q
-            lens += range(s - q + 1, s + 1)
-        return meta.block_tables[torch.tensor(owner)], torch.tensor(lens, dtype=torch.int32)
+        rows = [chunk_as_decode_rows(meta.block_tables[i], s, q)
+                for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu))]
+        return torch.cat([tables for tables, _ in rows]), torch.cat([lens for _, lens in rows])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
