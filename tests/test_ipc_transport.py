@@ -163,7 +163,10 @@ def _worker_burst(ctx: zmq.Context[Any], addr: str, n: int, hwm: int) -> list[in
                 received.append(msg.prompt_token_ids[-1])
         return received
     finally:
-        dealer.close()
+        # Like the worker process (workers/worker.py): close with a linger, not the socket's LINGER 0. The last
+        # StepOutputs can still sit in the DEALER's pipe when the last Generate arrives, and LINGER 0 drops them:
+        # the router then waits for frames that were never sent (CI saw this once with the tiny HWM).
+        dealer.close(linger=int(WAIT * 1000))
 
 
 # Tiny HWMs force thousands of EAGAIN -> wait -> wake cycles on both directions. Huge HWMs mean sends never
