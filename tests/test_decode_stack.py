@@ -129,5 +129,5 @@ def test_stack_refuses_a_model_it_cannot_run(stack_kernel: Any) -> None:
     wide = torch.nn.Linear(model.cfg.intermediate_size, model.cfg.hidden_size).double()  # fp64: no C++ path
     setattr(model.layers[0].mlp, "down_proj", wide)
     assert DecodeStack.build(stack_kernel, model.layers, 4, 4, 16, 1e-5) is None
-    with pytest.raises(RuntimeError, match="22 tensors"):
-        stack_kernel.Stack([None] * 21, [0] * 4, 4, 4, 16, 1e-5)
+    with pytest.raises(RuntimeError, match="26 tensors"):
+        stack_kernel.Stack([None] * 25, [0] * 4, 4, 4, 16, 1e-5)

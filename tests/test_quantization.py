@@ -93,10 +93,38 @@ def test_kernel_matches_its_exact_arithmetic(kernel, bits: int, m: int, n: int, 
     x = torch.randn(m, k, generator=g)
     x[0, :32] = 0.0  # an all-zero block: scale 0 must not divide by zero
     bias = torch.randn(n, generator=g)
+    wmt = None if w.m is None else w.m.half().t().contiguous()  # what BlockLinear keeps beside m
     for b in (None, bias):
-        got = kernel.qlinear(x, w.codes, w.d, w.m, b, bits)
         ref = _exact(x, w, b)
-        assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+        for mt in (None, wmt):  # min terms per column, or eight columns at a time from the transposed mins
+            got = kernel.qlinear(x, w.codes, w.d, w.m, b, bits, mt)
+            assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 6, 16])
+def test_min_terms_of_a_column_do_not_depend_on_its_tile(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """With wmt, columns go in tiles of eight and a split of N that leaves fewer takes a per-column path with
+    the same arithmetic: a column's value is bit-identical whether its tile was whole or not, and whatever the
+    thread count (the decode stack and the module path split N differently and must agree bit for bit)."""
+    g = torch.Generator().manual_seed(m)
+    k = 32 * 131  # more blocks than one chunk of the min-term tile (128) and an odd count: every branch
+    w = quantize(torch.randn(24, k, generator=g) * 0.1, 4)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(24, generator=g)
+
+    def run(n: int) -> torch.Tensor:  # the first n columns only
+        mt = w.m[:n].half().t().contiguous()
+        return kernel.qlinear(x, w.codes[:n].contiguous(), w.d[:n], w.m[:n], bias[:n], 4, mt)
+
+    whole = run(24)  # three full tiles
+    for n in (13, 5):  # a full tile and a tail of 5; a tail only
+        assert torch.equal(run(n), whole[:, :n]), n
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(24), whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 _ISA_CHECK = """
@@ -110,6 +138,8 @@ outs = []
 for bits in (4, 8):
     w = quantize(torch.randn(19, 96, generator=g), bits)
     outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits))
+    if bits == 4:  # the transposed minimums' path (min_terms8 and, for 19 columns, min_terms1)
+        outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits, w.m.half().t().contiguous()))
     outs.append(mod.dequant(w.codes, w.d, w.m, bits, torch.empty(19 * 96)).T[:5])  # (5, 19) of the weights
 torch.save(torch.cat(outs, 1), __import__("sys").argv[1])
 print(mod.isa())

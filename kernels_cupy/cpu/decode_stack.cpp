@@ -23,13 +23,14 @@ namespace decode_stack {
 // One projection: GGUF-style blocks (bits 4 or 8, the qgemm kernel) or an fp32 weight (bits 0, torch's GEMM).
 struct Linear {
   int64_t bits = 0;
-  torch::Tensor wq, wd, wm, bias, dense;  // undefined where the layer has none
+  torch::Tensor wq, wd, wm, wmt, bias, dense;  // undefined where the layer has none
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
     const c10::optional<torch::Tensor> b = bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
     if (bits == 0) return at::linear(x, dense, b);
     const c10::optional<torch::Tensor> m = wm.defined() ? c10::optional<torch::Tensor>(wm) : c10::nullopt;
-    return qlinear(x, wq, wd, m, b, bits);
+    const c10::optional<torch::Tensor> mt = wmt.defined() ? c10::optional<torch::Tensor>(wmt) : c10::nullopt;
+    return qlinear(x, wq, wd, m, b, bits, mt);
   }
 };
 
@@ -40,24 +41,25 @@ struct Layer {
 
 class Stack {
  public:
-  // tensors: per layer norm1, norm2, then for qkv, o, gate_up, down in turn: wq, wd, wm, bias, dense (None
+  // tensors: per layer norm1, norm2, then for qkv, o, gate_up, down in turn: wq, wd, wm, wmt, bias, dense (None
   // where absent); bits: per layer the four projections' widths (0: fp32 `dense`).
   Stack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& bits, int64_t hq,
         int64_t hkv, int64_t head_dim, double eps)
       : hq_(hq), hkv_(hkv), d_(head_dim), eps_(eps) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0 && head_dim % 2 == 0, "bad head layout");
-    TORCH_CHECK(tensors.size() % 22 == 0 && bits.size() * 22 == tensors.size() * 4, "22 tensors and 4 widths a layer");
+    TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4, "26 tensors and 4 widths a layer");
     auto get = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : torch::Tensor(); };
-    for (size_t l = 0; l < tensors.size() / 22; ++l) {
-      const size_t t0 = l * 22;
+    for (size_t l = 0; l < tensors.size() / 26; ++l) {
+      const size_t t0 = l * 26;
       Layer layer;
       layer.norm1 = get(t0), layer.norm2 = get(t0 + 1);
       Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (size_t j = 0; j < 4; ++j) {
         Linear& lin = *lins[j];
-        const size_t b = t0 + 2 + 5 * j;
+        const size_t b = t0 + 2 + 6 * j;
         lin.bits = bits[l * 4 + j];
-        lin.wq = get(b), lin.wd = get(b + 1), lin.wm = get(b + 2), lin.bias = get(b + 3), lin.dense = get(b + 4);
+        lin.wq = get(b), lin.wd = get(b + 1), lin.wm = get(b + 2), lin.wmt = get(b + 3), lin.bias = get(b + 4);
+        lin.dense = get(b + 5);
         TORCH_CHECK(lin.bits == 0 ? lin.dense.defined() : (lin.wq.defined() && lin.wd.defined()),
                     "layer ", l, " projection ", j, ": weights missing for its width");
       }

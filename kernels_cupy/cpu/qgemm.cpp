@@ -11,8 +11,10 @@ static torch::Tensor half_scales(const torch::Tensor& t, int64_t n, int64_t nb, 
 }
 
 // x (M, K) fp32 -> (M, N) fp32 against weights in blocks of 32 (layout in qgemm_core.h).
+// wmt: optional (K/32, N) fp16, the 4-bit minimums transposed; with it the SIMD paths add the min terms eight
+// columns at a time (qgemm_impl.h, min_terms8): 10-25% off a 16-row call. Owners keep it beside wm.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm,
-                      c10::optional<torch::Tensor> bias, int64_t bits) {
+                      c10::optional<torch::Tensor> bias, int64_t bits, c10::optional<torch::Tensor> wmt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be (M, K) fp32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   x = x.contiguous();
@@ -26,6 +28,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   if (bits == 4) {
     TORCH_CHECK(wm.has_value(), "4-bit weights need wm (N, K/32)");
     wm = half_scales(*wm, N, nb, "wm");
+  }
+  if (wmt.has_value()) {
+    TORCH_CHECK(bits == 4, "wmt is for 4-bit weights only");
+    TORCH_CHECK(wmt->dim() == 2 && wmt->size(0) == nb && wmt->size(1) == N && wmt->is_contiguous() &&
+                    wmt->scalar_type() == torch::kHalf, "wmt must be contiguous (K/32, N) fp16");
   }
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
@@ -51,6 +58,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   qgemm::QArgs a{M, N, K, bits, qap, sap, xsp, pairs ? s8p : nullptr, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
                  reinterpret_cast<const uint16_t*>(wd.data_ptr()),
                  bits == 4 ? reinterpret_cast<const uint16_t*>(wm->data_ptr()) : nullptr,
+                 wmt.has_value() ? reinterpret_cast<const uint16_t*>(wmt->data_ptr()) : nullptr,
                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>()};
   // Split output columns: every thread reads the whole (small) activation block and its own weight rows,
   // so each weight byte is read from memory once per call.
@@ -132,7 +140,8 @@ std::string isa() { return qgemm::isa_name(qgemm::isa()); }
 
 #ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)");
+  m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)", py::arg("x"), py::arg("wq"),
+        py::arg("wd"), py::arg("wm"), py::arg("bias"), py::arg("bits"), py::arg("wmt") = py::none());
   m.def("dequant", &dequant, "the fp32 weights of 4/8-bit blocks, into a reused buffer (CPU)");
   m.def("isa", &isa, "the instruction-set path chosen at run time");
 }

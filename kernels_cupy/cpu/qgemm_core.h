@@ -31,7 +31,9 @@ struct QArgs {
                        // and qa in pair order (qgemm_impl.h, quantize_rows_q4)
   const uint8_t* wq;   // weight codes, see above
   const uint16_t* wd;  // (N, K/32) fp16 bits
-  const uint16_t* wm;  // (N, K/32) fp16 bits, or null (bits 8)
+  const uint16_t* wm;  // (N, K/32) fp16 bits, or null (bits 8, or 4-bit weights given by wmt only)
+  const uint16_t* wmt; // (K/32, N) fp16 bits, the same minimums transposed, or null. With it the SIMD paths add
+                       // the min terms eight columns at a time (qgemm_impl.h, min_terms8)
   const float* bias;   // (N,) or null
   float* out;          // (M, N)
 };
@@ -98,7 +100,7 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
           dot += code * x[i];
         }
         acc += static_cast<float>(dot) * half_to_float(a.wd[n * nb + b]) * a.sa[m * nb + b];
-        if (a.bits == 4) acc += half_to_float(a.wm[n * nb + b]) * a.xsum[m * nb + b];
+        if (a.bits == 4) acc += half_to_float(a.wmt ? a.wmt[b * a.N + n] : a.wm[n * nb + b]) * a.xsum[m * nb + b];
       }
       a.out[m * a.N + n] = acc + (a.bias ? a.bias[n] : 0.f);
     }

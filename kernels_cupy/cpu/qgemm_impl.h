@@ -145,8 +145,9 @@ static inline void micro(const QArgs& a, int64_t m0, int64_t n) {
   }
 }
 
-// 4-bit weights over pair-ordered activations (quantize_rows_q4): R rows against one weight row.
-template <int R>
+// 4-bit weights over pair-ordered activations (quantize_rows_q4): R rows against one weight row. kMins: add
+// the min terms and the bias here, column by column (without wmt); else min_terms8 / min_terms1 add them.
+template <int R, bool kMins>
 static inline void micro_q4(const QArgs& a, int64_t m0, int64_t n) {
   const int64_t nb = a.K / QK, np = nb / 2;
   const uint8_t* w = a.wq + n * (a.K / 2);
@@ -191,9 +192,65 @@ static inline void micro_q4(const QArgs& a, int64_t m0, int64_t n) {
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = m0 + r;
-    float v = hsum(acc[r]) + dot_h32(a.wm + n * nb, a.xsum + row * nb, nb);
-    if (a.bias) v += a.bias[n];
+    float v = hsum(acc[r]);
+    if (kMins) {
+      v += dot_h32(a.wm + n * nb, a.xsum + row * nb, nb);
+      if (a.bias) v += a.bias[n];
+    }
     a.out[row * a.N + n] = v;
+  }
+}
+
+// The min terms from the transposed minimums (QArgs::wmt): out[m, n] += sum_b wm[n, b] * xsum[m, b], then
+// + bias[n]. Per column and row (dot_h32 and a horizontal sum) they took a third of a 16-row GEMM's time at
+// K = 576; with the minimums of eight adjacent columns in one 16-byte row of wmt, each block costs one
+// broadcast FMA for eight columns. Blocks in chunks, so the widened tile stays 4 KB whatever K is.
+static constexpr int64_t kMinChunk = 128;
+
+static void min_terms8(const QArgs& a, int64_t n0) {
+  const int64_t nb = a.K / QK;
+  alignas(32) float wt[kMinChunk * 8];  // (blocks of this chunk, 8 columns) fp32
+  for (int64_t c0 = 0; c0 < nb; c0 += kMinChunk) {
+    const int64_t cn = nb - c0 < kMinChunk ? nb - c0 : kMinChunk;
+    for (int64_t b = 0; b < cn; ++b)
+      _mm256_store_ps(wt + b * 8, _mm256_cvtph_ps(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(a.wmt + (c0 + b) * a.N + n0))));
+    const __m256 bias = a.bias && c0 == 0 ? _mm256_loadu_ps(a.bias + n0) : _mm256_setzero_ps();
+    for (int64_t row = 0; row < a.M; ++row) {
+      const float* xs = a.xsum + row * nb + c0;
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  // two chains: FMA latency, short loop
+      int64_t b = 0;
+      for (; b + 2 <= cn; b += 2) {
+        s0 = _mm256_fmadd_ps(_mm256_set1_ps(xs[b]), _mm256_load_ps(wt + b * 8), s0);
+        s1 = _mm256_fmadd_ps(_mm256_set1_ps(xs[b + 1]), _mm256_load_ps(wt + (b + 1) * 8), s1);
+      }
+      if (b < cn) s0 = _mm256_fmadd_ps(_mm256_set1_ps(xs[b]), _mm256_load_ps(wt + b * 8), s0);
+      float* o = a.out + row * a.N + n0;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(s0, s1)), bias));
+    }
+  }
+}
+
+// One column with min_terms8's arithmetic for its lane, operation for operation (the same fused multiply-adds,
+// chains, chunks and additions): a column's value must not depend on whether the threads' split of N put it
+// in a tile of eight, since the decode stack and the module path split differently and must agree bit for bit.
+static void min_terms1(const QArgs& a, int64_t n) {
+  const int64_t nb = a.K / QK;
+  for (int64_t c0 = 0; c0 < nb; c0 += kMinChunk) {
+    const int64_t cn = nb - c0 < kMinChunk ? nb - c0 : kMinChunk;
+    const float bias = a.bias && c0 == 0 ? a.bias[n] : 0.f;
+    for (int64_t row = 0; row < a.M; ++row) {
+      const float* xs = a.xsum + row * nb + c0;
+      float s0 = 0.f, s1 = 0.f;
+      int64_t b = 0;
+      for (; b + 2 <= cn; b += 2) {
+        s0 = std::fma(xs[b], _cvtsh_ss(a.wmt[(c0 + b) * a.N + n]), s0);
+        s1 = std::fma(xs[b + 1], _cvtsh_ss(a.wmt[(c0 + b + 1) * a.N + n]), s1);
+      }
+      if (b < cn) s0 = std::fma(xs[b], _cvtsh_ss(a.wmt[(c0 + b) * a.N + n]), s0);
+      float* o = a.out + row * a.N + n;
+      *o = (*o + (s0 + s1)) + bias;
+    }
   }
 }
 
@@ -211,16 +268,29 @@ static void gemm_rows(const QArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
+template <bool kMins>
+static inline void column_q4(const QArgs& a, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) micro_q4<4, kMins>(a, m, n);
+  switch (a.M - m) {
+    case 3: micro_q4<3, kMins>(a, m, n); break;
+    case 2: micro_q4<2, kMins>(a, m, n); break;
+    case 1: micro_q4<1, kMins>(a, m, n); break;
+    default: break;
+  }
+}
+
 static void gemm_rows_q4(const QArgs& a, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) micro_q4<4>(a, m, n);
-    switch (a.M - m) {
-      case 3: micro_q4<3>(a, m, n); break;
-      case 2: micro_q4<2>(a, m, n); break;
-      case 1: micro_q4<1>(a, m, n); break;
-      default: break;
-    }
+  if (!a.wmt) {
+    for (int64_t n = n0; n < n1; ++n) column_q4<true>(a, n);
+    return;
+  }
+  // In tiles of eight columns: each column's code terms, then the tile's min terms at once.
+  for (int64_t t0 = n0; t0 < n1; t0 += 8) {
+    const int64_t t1 = t0 + 8 <= n1 ? t0 + 8 : n1;
+    for (int64_t n = t0; n < t1; ++n) column_q4<false>(a, n);
+    if (t1 - t0 == 8) min_terms8(a, t0);
+    else for (int64_t n = t0; n < t1; ++n) min_terms1(a, n);
   }
 }
 

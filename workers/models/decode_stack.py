@@ -24,14 +24,14 @@ from workers.models.linear import BlockLinear
 
 
 def _linear_spec(m: nn.Module) -> tuple[int, list[torch.Tensor | None]] | None:
-    """(bits, [codes, d, m, bias, dense]) for the C++ side, or None where it cannot run the layer."""
+    """(bits, [codes, d, m, mt, bias, dense]) for the C++ side, or None where it cannot run the layer."""
     if isinstance(m, BlockLinear):
         if m.dense is not None:  # no kernel: the reference's fp32 weights
-            return 0, [None, None, None, m.bias, m.dense]
-        return m.bits, [m.codes, m.d, m.m, m.bias, None]
+            return 0, [None, None, None, None, m.bias, m.dense]
+        return m.bits, [m.codes, m.d, m.m, m.mt, m.bias, None]
     if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
         bias = None if m.bias is None else m.bias.detach()
-        return 0, [None, None, None, bias, m.weight.detach()]
+        return 0, [None, None, None, None, bias, m.weight.detach()]
     return None
 
 

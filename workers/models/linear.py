@@ -59,6 +59,7 @@ class BlockLinear(nn.Module):
     codes: torch.Tensor  # (out, in/2) uint8 or (out, in) int8
     d: torch.Tensor  # (out, in/32) fp16: a decode step is bound by bytes read, and GGUF's scales are fp16
     m: torch.Tensor | None  # (out, in/32) fp16, 4-bit only
+    mt: torch.Tensor | None  # (in/32, out) fp16, m transposed, 4-bit with the kernel only
     bias: torch.Tensor | None  # (out,) fp32
     dense: torch.Tensor | None  # (out, in) fp32, only without the kernel
 
@@ -70,6 +71,9 @@ class BlockLinear(nn.Module):
         # fp16 is exact: BlockWeight scales are fp16-representable (quant.py).
         self.register_buffer("d", w.d.half())
         self.register_buffer("m", None if w.m is None else w.m.half())
+        # (in/32, out) fp16: the same minimums transposed, for the kernel's min terms (eight output columns per
+        # load instead of a dot product per column; qgemm.cpp). 10% more bytes held, none more read a step.
+        self.register_buffer("mt", None if w.m is None or kernel is None else w.m.half().t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._kernel: Any = kernel
         # Without the kernel: the reference, fp32 weights de-quantized once.
@@ -85,7 +89,8 @@ class BlockLinear(nn.Module):
             w = self._kernel.dequant(self.codes, self.d, self.m, self.bits,
                                      _Scratch.at_least(self.out_features * self.in_features))
             return F.linear(x.float(), w, self.bias)  # (T, in) @ (out, in)^T
-        out: torch.Tensor = self._kernel.qlinear(x.float(), self.codes, self.d, self.m, self.bias, self.bits)
+        out: torch.Tensor = self._kernel.qlinear(x.float(), self.codes, self.d, self.m, self.bias, self.bits,
+                                                 self.mt)
         return out
 
     def extra_repr(self) -> str:
