@@ -120,3 +120,20 @@ def test_router_least_loaded_affinity_and_admission() -> None:
     assert r.choose([WorkerLoad("a", 0, 0, 0.0)], [], 5000) == "a"  # a big prompt still fits an idle worker
     r.forget_worker("a")
     assert r.choose(loads, keys, 300) == "b"
+
+
+@pytest.mark.parametrize("operator", [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}])
+def test_worker_env_bounds_openmp_spinning_unless_the_operator_chose(
+        monkeypatch: pytest.MonkeyPatch, operator: dict[str, str]) -> None:
+    from gateway.fleet import supervisor
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    for k, v in operator.items():
+        monkeypatch.setenv(k, v)
+    env = supervisor.worker_env()
+    if operator:  # their setting, alone and unchanged
+        assert {k: env.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == {
+            "OMP_WAIT_POLICY": operator.get("OMP_WAIT_POLICY"), "GOMP_SPINCOUNT": operator.get("GOMP_SPINCOUNT")}
+    else:  # bounded spinning: neither sleep at every barrier (PASSIVE) nor spin while idle (ACTIVE)
+        assert env["GOMP_SPINCOUNT"] == supervisor.SPIN_COUNT and "OMP_WAIT_POLICY" not in env

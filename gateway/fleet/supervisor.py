@@ -41,12 +41,20 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass  # not Linux: the worker's own --parent-pid watch still applies
 
 
+# Iterations an OpenMP thread spins at a barrier before it sleeps (libgomp's own default when no wait policy
+# is set; a few milliseconds on the CPUs we run on). A decode step is ~300 short parallel regions in one C++
+# call: sleeping at every barrier (OMP_WAIT_POLICY=PASSIVE, this module's default until the decode stack)
+# cost 2 ms a step, and spinning forever (ACTIVE) keeps a core busy while the worker is idle. Measured through
+# `kvgate serve` on 2 cores (bench/RESULTS.md, 2026-11-24): c1 63.9 -> 84.7 tok/s, c16 145.0 -> 151.6.
+SPIN_COUNT = "300000"
+
+
 def worker_env() -> dict[str, str]:
-    """The worker's environment. OpenMP threads that spin at barriers lose their core to the gateway and
-    the clients on a small CPU box and then stall each other; sleeping waits measured 42 -> 58 output tok/s
-    at concurrency 16 on 2 cores (bench/RESULTS.md). An operator's own setting wins."""
+    """The worker's environment: bounded spinning at OpenMP barriers (SPIN_COUNT). An operator's own
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT wins: either one means they chose how the threads wait."""
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
     return env
 
 
