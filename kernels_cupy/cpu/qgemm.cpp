@@ -12,7 +12,8 @@ static torch::Tensor half_scales(const torch::Tensor& t, int64_t n, int64_t nb, 
 
 // x (M, K) fp32 -> (M, N) fp32 against weights in blocks of 32 (layout in qgemm_core.h).
 // wmt: optional (K/32, N) fp16, the 4-bit minimums transposed; with it the SIMD paths add the min terms eight
-// columns at a time (qgemm_impl.h, min_terms8): 10-25% off a 16-row call. Owners keep it beside wm.
+// columns at a time (qgemm_impl.h, min_terms8): on Zen 3, 9-23% off a 16-row call on one thread, 0-10% on two
+// (bench/RESULTS.md, 2026-11-24). Owners keep it beside wm.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm,
                       c10::optional<torch::Tensor> bias, int64_t bits, c10::optional<torch::Tensor> wmt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be (M, K) fp32");
