@@ -129,11 +129,20 @@ def test_worker_env_bounds_openmp_spinning_unless_the_operator_chose(
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(supervisor, "_cpus", lambda: 4)
     for k, v in operator.items():
         monkeypatch.setenv(k, v)
-    env = supervisor.worker_env()
-    if operator:  # their setting, alone and unchanged
-        assert {k: env.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == {
-            "OMP_WAIT_POLICY": operator.get("OMP_WAIT_POLICY"), "GOMP_SPINCOUNT": operator.get("GOMP_SPINCOUNT")}
-    else:  # bounded spinning: neither sleep at every barrier (PASSIVE) nor spin while idle (ACTIVE)
-        assert env["GOMP_SPINCOUNT"] == supervisor.SPIN_COUNT and "OMP_WAIT_POLICY" not in env
+
+    def waits(workers: int, threads: int | None) -> tuple[str | None, str | None]:
+        env = supervisor.worker_env(workers, threads)
+        return env.get("OMP_WAIT_POLICY"), env.get("GOMP_SPINCOUNT")
+
+    if operator:  # their setting, alone and unchanged, however many workers
+        want = (operator.get("OMP_WAIT_POLICY"), operator.get("GOMP_SPINCOUNT"))
+        assert waits(1, None) == want and waits(3, None) == want
+        return
+    spin, sleep = (None, supervisor.SPIN_COUNT), ("PASSIVE", None)
+    assert waits(1, None) == spin  # one worker, a thread per core: spin a bounded while
+    assert waits(2, 2) == spin  # 4 threads on 4 CPUs
+    assert waits(2, None) == sleep  # 8 threads on 4 CPUs: a spinning thread would hold another's core
+    assert waits(3, 2) == sleep

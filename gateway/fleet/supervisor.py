@@ -43,17 +43,31 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 # Iterations an OpenMP thread spins at a barrier before it sleeps (libgomp's own default when no wait policy
 # is set; a few milliseconds on the CPUs we run on). A decode step is ~300 short parallel regions in one C++
-# call: sleeping at every barrier (OMP_WAIT_POLICY=PASSIVE, this module's default until the decode stack)
-# cost 2 ms a step, and spinning forever (ACTIVE) keeps a core busy while the worker is idle. Measured through
-# `kvgate serve` on 2 cores (bench/RESULTS.md, 2026-11-24): c1 63.9 -> 84.7 tok/s, c16 145.0 -> 151.6.
+# call: sleeping at every barrier (OMP_WAIT_POLICY=PASSIVE) cost 2 ms a step, and spinning forever (ACTIVE)
+# keeps a core busy while the worker is idle. Measured through `kvgate serve` on 2 cores (bench/RESULTS.md,
+# 2026-11-24): c1 63.9 -> 84.7 tok/s, c16 145.0 -> 151.6 against PASSIVE.
 SPIN_COUNT = "300000"
 
 
-def worker_env() -> dict[str, str]:
-    """The worker's environment: bounded spinning at OpenMP barriers (SPIN_COUNT). An operator's own
-    OMP_WAIT_POLICY or GOMP_SPINCOUNT wins: either one means they chose how the threads wait."""
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_env(workers: int = 1, threads_per_worker: int | None = None) -> dict[str, str]:
+    """The worker's environment: how its OpenMP threads wait at barriers. Bounded spinning (SPIN_COUNT) while
+    the local workers' threads fit the CPUs; sleeping waits (PASSIVE) when they do not, since a thread spinning
+    for its preempted partner then holds a core another worker needs (threads_per_worker None: torch's
+    default, one per core). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
     env = dict(os.environ)
-    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return env
+    cpus = _cpus()
+    if workers * (threads_per_worker or cpus) > cpus:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
         env["GOMP_SPINCOUNT"] = SPIN_COUNT
     return env
 
@@ -82,6 +96,7 @@ class Supervisor:
         self._extra_env = dict(extra_env or {})  # e.g. the local workers' CURVE keys (never on argv)
         self._on_restart = on_restart  # counts restarts (metrics); called before each backoff
         self._count = count
+        self._env = worker_env(count, engine.num_threads if engine.device == "cpu" else 1)
         self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
                           "--served-model-name", served_model_name, "--parent-pid", str(os.getpid()),
                           "--log-format", log_format, *engine.argv()]
@@ -145,7 +160,7 @@ class Supervisor:
     async def _run_once(self, worker_id: str, started: float) -> tuple[int, int]:
         # Popen from the Trio thread (see the module docstring); a fork+exec takes milliseconds.
         proc = subprocess.Popen(self.command(worker_id), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                env={**worker_env(), **self._extra_env})
+                                env={**self._env, **self._extra_env})
         self.pids[worker_id] = proc.pid
         log.info("started worker %s (pid %d)", worker_id, proc.pid)
         try:
