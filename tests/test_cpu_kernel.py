@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels_cupy import kv_quant
 from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.torch_ref import TorchAttentionBackend
 from tests.cpu_support import built
@@ -99,7 +100,6 @@ def test_short_chunks_over_a_cached_context_match_the_reference(backend, qlen: i
                                                                 kv_dtype: torch.dtype) -> None:
     """A speculative verify step (1 + K query rows after a cached context) runs as decode rows through the
     kernel: causal, each row up to itself; 17 rows take the reference path (the same answer)."""
-    from kernels_cupy import kv_quant
     from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS
 
     assert SHORT_CHUNK_ROWS == 16
@@ -117,8 +117,9 @@ def test_short_chunks_over_a_cached_context_match_the_reference(backend, qlen: i
 
 
 def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # type: ignore[no-untyped-def]
-    """K/V arrive as views of the fused qkv projection (rows strided); fp32 caches take the kernel's copy, a
-    bf16 cache the reference's; both leave the caches as the reference does; a slot past the cache is refused."""
+    """K/V arrive as views of the fused qkv projection (rows strided); the kernel writes fp32, bf16 and int8
+    caches (kv_quant's layout, D codes then the fp32 scale) byte for byte as the reference does, an all-zero
+    row (scale 0) and values at a rounding tie included; a slot past the cache is refused."""
     g = torch.Generator().manual_seed(3)
     t, hq, hkv, d, nb, bs = 5, 6, 2, 8, 6, 4
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
@@ -127,12 +128,15 @@ def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # t
     meta = _meta([[0, 1, 2, 3, 4, 5]], [t])
     meta = AttentionMetadata(torch.tensor([3, 9, 10, 17, 0]), meta.query_start_loc, meta.seq_lens, meta.block_tables,
                              meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
-    for dtype in (torch.float32, torch.bfloat16):
-        caches = [torch.zeros(nb, bs, hkv, d, dtype=dtype) for _ in range(4)]
+    k[1, 0] = 0.0  # scale 0: codes 0, no division by zero
+    v[2, 1] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5, -63.5, 3.0, 0.25])  # scale 1: ties round to even
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        w = kv_quant.row_width(d, dtype)
+        caches = [torch.zeros(nb, bs, hkv, w, dtype=dtype) for _ in range(4)]
         backend.write_kv(k, v, caches[0], caches[1], meta)
         TorchAttentionBackend().write_kv(k, v, caches[2], caches[3], meta)
-        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-        assert caches[0].abs().sum() > 0
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), dtype
+        assert caches[0].float().abs().sum() > 0
     bad = AttentionMetadata(torch.tensor([3, 9, 10, 17, nb * bs]), meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
     with pytest.raises(RuntimeError, match="slot out of range"):

@@ -114,10 +114,24 @@ def test_speculative_verify_steps_run_in_the_stack(stack_kernel: Any, quantizati
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_stack_runs_over_bf16_and_int8_caches(stack_kernel: Any, kv_dtype: str) -> None:
+    # The kernels write and read these caches (write_kv rounds as kv_quant does): the stack runs every decode
+    # step and matches the module path bit for bit, logits, tokens and cache bytes.
+    hf = hf_model(seed=2)
+    eng_a, eng_b = _engine(hf, "int4", kv_dtype=kv_dtype), _engine(hf, "int4", kv_dtype=kv_dtype)
+    got, tokens_a, calls = _record(eng_a, use_stack=True)
+    want, tokens_b, _ = _record(eng_b, use_stack=False)
+    assert calls >= 9 and tokens_a == tokens_b and len(got) == len(want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for (ka, va), (kb, vb) in zip(eng_a.runner.kv_caches, eng_b.runner.kv_caches):  # type: ignore[attr-defined]
+        assert ka.dtype == getattr(torch, kv_dtype) and torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_stack_leaves_steps_it_cannot_run_to_the_modules(stack_kernel: Any) -> None:
-    # An int8 KV cache is written by the reference path's quantizer: the stack must not run, and the engine
-    # still decodes (through the modules).
-    eng = _engine(hf_model(seed=2), "int8", kv_dtype="int8")
+    # An fp16 KV cache has no C++ path (the reference writes and reads it): the stack must not run, and the
+    # engine still decodes (through the modules).
+    eng = _engine(hf_model(seed=2), "int8", kv_dtype="float16")
     _, tokens, calls = _record(eng, use_stack=True)
     assert calls == 0
     assert all(len(t) == GREEDY.max_tokens for t in tokens.values())

@@ -14,12 +14,15 @@ from kernels_cupy.torch_ref import TorchAttentionBackend
 # as that many decode rows through the kernel, row j seeing the context up to and including itself; longer
 # chunks go through the reference's gather + SDPA, which costs ~0.5 ms a layer in masks and copies.
 SHORT_CHUNK_ROWS = 16
-_KERNEL_KV = (torch.float32, torch.bfloat16, torch.int8)
+
+
+# Cache dtypes the C++ kernels both write (write_kv) and read (paged_decode).
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The paged kernel takes fp32 queries over fp32, bf16 or int8 K/V; anything else runs the reference."""
-    return q.dtype == torch.float32 and k_cache.dtype in _KERNEL_KV
+    return q.dtype == torch.float32 and k_cache.dtype in KERNEL_CACHE_DTYPES
 
 
 def chunk_as_decode_rows(block_table: torch.Tensor, seq_len: int, qlen: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +41,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
-        """(T, Hkv, D) rows into their slots: the kernel for fp32 caches, the reference otherwise."""
-        if k_cache.dtype != torch.float32 or key.dtype != torch.float32:
+        """(T, Hkv, D) rows into their slots: the kernel for fp32 rows into fp32, bf16 or int8 caches (rounded
+        as kv_quant rounds them), the reference otherwise."""
+        if k_cache.dtype not in KERNEL_CACHE_DTYPES or key.dtype != torch.float32:
             return super().write_kv(key, value, k_cache, v_cache, meta)
         self._mod.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return None

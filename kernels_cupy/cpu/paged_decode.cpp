@@ -283,38 +283,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-// The step's new K and V rows into their cache slots, fp32 caches only (bf16/int8 rows are converted by the
-// reference path): one call per layer instead of two index_copy_ with their views and dtype checks.
-// key, value: (T, Hkv, D) fp32 (any strides: rows of the fused qkv projection); caches (NB, BS, Hkv, D) fp32;
-// slots: (T,) int64 flat slot = block * BS + offset.
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slots) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
-              key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32, "fp32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kInt64, "layout");
-  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
-  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == H && k_cache.size(3) == D && value.sizes() == key.sizes() && slots.numel() == T,
-              "shapes disagree");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "head rows must be contiguous");
-  auto sl = slots.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < nslots, "slot out of range");
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(kc + (sp[t] * H + h) * D, kp + t * key.stride(0) + h * key.stride(1), D * sizeof(float));
-      std::memcpy(vc + (sp[t] * H + h) * D, vp + t * value.stride(0) + h * value.stride(1), D * sizeof(float));
-    }
-  }
-}
+#include "kv_write.h"  // write_kv: the step's K/V rows into their cache slots, every cache dtype
 
 #ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", &write_kv, "the step's K/V rows into their fp32 cache slots (CPU)");
+  m.def("write_kv", &write_kv, "the step's K/V rows into their cache slots: fp32, bf16 or int8 (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU, fp32 queries)");
   m.def("set_kv_isa", &set_kv_isa, "int8 KV path: auto, avx2 or scalar; returns the one chosen");
 }

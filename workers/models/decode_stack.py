@@ -5,7 +5,7 @@ dispatch (~4 ms a step) was a third of the step. The stack runs the same kernels
 C++ and returns what the last layer's MLP gave, so the model's final norm and head run as before.
 It runs a step only where it computes what the module path would (anything else takes the module path):
 decode rows and short chunks over a cached context (speculative verify steps, whose rows the CPU backend runs
-as decode rows too), fp32 activations and KV caches, the CPU attention kernel,
+as decode rows too), fp32 activations, fp32/bf16/int8 KV caches, the CPU attention kernel,
 fewer rows than the dense-prefill threshold (past it a block linear switches to fp32 GEMM), and projections
 that are block linears or fp32 ``nn.Linear``.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_cupy.cpu.backend import SHORT_CHUNK_ROWS, CpuAttentionBackend, chunk_as_decode_rows
+from kernels_cupy.cpu.backend import KERNEL_CACHE_DTYPES, SHORT_CHUNK_ROWS, CpuAttentionBackend, chunk_as_decode_rows
 from kernels_cupy.interface import AttentionMetadata
 from workers.models import linear as linear_mod
 from workers.models.linear import BlockLinear
@@ -79,7 +79,8 @@ class DecodeStack:
              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this step is one the stack computes exactly as the module path would: every sequence a
         decode or a short chunk over a cached context (a speculative verify step: the CPU backend runs its
-        rows as decode rows too), fp32 throughout, fewer rows than the dense-prefill threshold."""
+        rows as decode rows too), fp32 activations, a KV cache the kernels write and read (fp32, bf16, int8), fewer
+        rows than the dense-prefill threshold."""
         t = x.shape[0]
         dense_rows = linear_mod.DENSE_MIN_ROWS
         if not (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -88,7 +89,7 @@ class DecodeStack:
         for i in range(meta.num_decodes, meta.num_seqs):  # a chunk with nothing cached runs SDPA instead
             if not meta.query_lens_cpu[i] <= SHORT_CHUNK_ROWS or meta.query_lens_cpu[i] >= meta.seq_lens_cpu[i]:
                 return False
-        return all(k.dtype == torch.float32 and v.dtype == torch.float32 for k, v in kv_caches)
+        return all(k.dtype in KERNEL_CACHE_DTYPES and v.dtype == k.dtype for k, v in kv_caches)
 
     @staticmethod
     def row_tables(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
