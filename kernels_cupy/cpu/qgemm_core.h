@@ -27,7 +27,7 @@ struct QArgs {
   const int8_t* qa;    // (M, K) activation codes
   const float* sa;     // (M, K/32) activation scales
   const float* xsum;   // (M, K/32) per-block sums of the quantized x (scale * sum of codes)
-  const float* sa8;    // SIMD 4-bit paths only, else null: (M, K/64, 8) each block pair's scales, 4 copies each,
+  const float* sa8;    // required by the SIMD 4-bit paths, else null: (M, K/64, 8) each block pair's scales, 4 copies each,
                        // and qa in pair order (qgemm_impl.h, quantize_rows_q4)
   const uint8_t* wq;   // weight codes, see above
   const uint16_t* wd;  // (N, K/32) fp16 bits

@@ -115,31 +115,29 @@ static inline float dot_h32(const uint16_t* a, const float* b, int64_t n) {
   return s;
 }
 
-// R activation rows against one weight row; every weight block is decoded once and used R times.
-template <int R, bool Q4>
-static inline void micro(const QArgs& a, int64_t m0, int64_t n) {
+// Q8_0 weights: R activation rows against one weight row; every weight block is decoded once and used R times.
+// (4-bit weights on the SIMD paths always come with pair-ordered activations: micro_q4.)
+template <int R>
+static inline void micro_q8(const QArgs& a, int64_t m0, int64_t n) {
   const int64_t nb = a.K / QK;
-  const uint8_t* w = a.wq + n * (Q4 ? a.K / 2 : a.K);
+  const uint8_t* w = a.wq + n * a.K;
   const uint16_t* wd = a.wd + n * nb;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = Q4 ? expand_q4(w + b * (QK / 2))
-                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
-    const __m256i wu = Q4 ? wv : _mm256_sign_epi8(wv, wv);  // Q8_0: |w| as u8, sign moved onto x
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+    const __m256i wu = _mm256_sign_epi8(wv, wv);  // |w| as u8, sign moved onto x
     const float db = _cvtsh_ss(wd[b]);
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + row * a.K + b * QK));
-      const __m256i xs = Q4 ? xv : _mm256_sign_epi8(xv, wv);
-      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, _mm256_sign_epi8(xv, wv)));
       acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(db * a.sa[row * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = m0 + r;
     float v = hsum(acc[r]);
-    if (Q4) v += dot_h32(a.wm + n * nb, a.xsum + row * nb, nb);
     if (a.bias) v += a.bias[n];
     a.out[row * a.N + n] = v;
   }
@@ -254,48 +252,43 @@ static void min_terms1(const QArgs& a, int64_t n) {
   }
 }
 
-template <bool Q4>
-static void gemm_rows(const QArgs& a, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) micro<4, Q4>(a, m, n);
-    switch (a.M - m) {
-      case 3: micro<3, Q4>(a, m, n); break;
-      case 2: micro<2, Q4>(a, m, n); break;
-      case 1: micro<1, Q4>(a, m, n); break;
-      default: break;
-    }
-  }
+template <int R, bool Q4, bool kMins>
+static inline void micro_rows(const QArgs& a, int64_t m0, int64_t n) {
+  if constexpr (Q4) micro_q4<R, kMins>(a, m0, n);
+  else micro_q8<R>(a, m0, n);
 }
 
-template <bool kMins>
-static inline void column_q4(const QArgs& a, int64_t n) {
+// Every row of column n, four at a time, then the rest (kMins: see micro_q4; ignored for Q8_0).
+template <bool Q4, bool kMins>
+static inline void column(const QArgs& a, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) micro_q4<4, kMins>(a, m, n);
+  for (; m + 4 <= a.M; m += 4) micro_rows<4, Q4, kMins>(a, m, n);
   switch (a.M - m) {
-    case 3: micro_q4<3, kMins>(a, m, n); break;
-    case 2: micro_q4<2, kMins>(a, m, n); break;
-    case 1: micro_q4<1, kMins>(a, m, n); break;
+    case 3: micro_rows<3, Q4, kMins>(a, m, n); break;
+    case 2: micro_rows<2, Q4, kMins>(a, m, n); break;
+    case 1: micro_rows<1, Q4, kMins>(a, m, n); break;
     default: break;
   }
 }
 
 static void gemm_rows_q4(const QArgs& a, int64_t n0, int64_t n1) {
   if (!a.wmt) {
-    for (int64_t n = n0; n < n1; ++n) column_q4<true>(a, n);
+    for (int64_t n = n0; n < n1; ++n) column<true, true>(a, n);
     return;
   }
   // In tiles of eight columns: each column's code terms, then the tile's min terms at once.
   for (int64_t t0 = n0; t0 < n1; t0 += 8) {
     const int64_t t1 = t0 + 8 <= n1 ? t0 + 8 : n1;
-    for (int64_t n = t0; n < t1; ++n) column_q4<false>(a, n);
+    for (int64_t n = t0; n < t1; ++n) column<true, false>(a, n);
     if (t1 - t0 == 8) min_terms8(a, t0);
     else for (int64_t n = t0; n < t1; ++n) min_terms1(a, n);
   }
 }
 
 static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
-  if (a.bits == 4 && a.sa8) gemm_rows_q4(a, n0, n1);
-  else if (a.bits == 4) gemm_rows<true>(a, n0, n1);
-  else gemm_rows<false>(a, n0, n1);
+  if (a.bits == 4) {
+    gemm_rows_q4(a, n0, n1);
+    return;
+  }
+  for (int64_t n = n0; n < n1; ++n) column<false, true>(a, n);
 }
