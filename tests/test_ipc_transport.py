@@ -7,6 +7,7 @@ pytest-timeout as a last resort. A hang here means the edge-triggered zmq.FD han
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,9 +140,10 @@ async def test_router_and_worker_thread_converse(ctx: zmq.Context[Any], address:
 # --------------------------------------------------------------------------------------------------
 
 
-def _worker_burst(ctx: zmq.Context[Any], addr: str, n: int, hwm: int) -> list[int]:
+def _worker_burst(ctx: zmq.Context[Any], addr: str, n: int, hwm: int, router_done: threading.Event) -> list[int]:
     """Blocking DEALER that sends n StepOutputs while receiving n Generates, interleaved, never blocking
-    in one direction while the other could progress. Returns the received sequence numbers."""
+    in one direction while the other could progress; closes only once the router says it has all n.
+    Returns the received sequence numbers."""
     dealer = worker_dealer(ctx, addr, WORKER, sndhwm=hwm, rcvhwm=hwm)
     deadline = time.monotonic() + WAIT
     sent, received = 0, []
@@ -163,9 +165,11 @@ def _worker_burst(ctx: zmq.Context[Any], addr: str, n: int, hwm: int) -> list[in
                 received.append(msg.prompt_token_ids[-1])
         return received
     finally:
-        # Like the worker process (workers/worker.py): close with a linger, not the socket's LINGER 0. The last
-        # StepOutputs can still sit in the DEALER's pipe when the last Generate arrives, and LINGER 0 drops them:
-        # the router then waits for frames that were never sent (CI saw this once with the tiny HWM).
+        # Close only after the router has everything. A linger does not make close safe: with the router's tiny
+        # RCVHWM holding frames back, libzmq can drop the DEALER's last frames on close whatever the linger
+        # (zeromq/libzmq#4660; reproduced here: ~1 run in 75 under CPU load lost 100-1000 StepOutputs, the
+        # router's monitor showing DISCONNECTED and EVENTS 0). Real peers end with an acknowledged exchange.
+        router_done.wait(WAIT)
         dealer.close(linger=int(WAIT * 1000))
 
 
@@ -180,24 +184,29 @@ async def test_burst_both_directions_with_worker_thread(ctx: zmq.Context[Any], h
     router, bound = gateway_router(ctx, "tcp://127.0.0.1:*", sndhwm=hwm, rcvhwm=hwm)
     received: list[int] = []
     worker_received: list[list[int]] = []
+    router_done = threading.Event()
 
     async def run_worker() -> None:
-        worker_received.append(await in_thread(lambda: _worker_burst(ctx, bound, BURST, hwm)))
+        worker_received.append(await in_thread(lambda: _worker_burst(ctx, bound, BURST, hwm, router_done)))
 
     async def gateway_send(identity: bytes) -> None:
         for i in range(BURST):
             await router_send(router, identity, generate(i))
 
     with router, trio.fail_after(WAIT * 2):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_worker)
-            identity, msg = await router_recv(router)
-            assert msg == hello()
-            nursery.start_soon(gateway_send, identity)  # sends while this task receives: same socket
-            while len(received) < BURST:
-                _, out = await router_recv(router)
-                assert isinstance(out, StepOutputs)
-                received.append(int(out.outputs[0].request_id.removeprefix("req-")))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_worker)
+                identity, msg = await router_recv(router)
+                assert msg == hello()
+                nursery.start_soon(gateway_send, identity)  # sends while this task receives: same socket
+                while len(received) < BURST:
+                    _, out = await router_recv(router)
+                    assert isinstance(out, StepOutputs)
+                    received.append(int(out.outputs[0].request_id.removeprefix("req-")))
+                router_done.set()  # the worker may close now
+        finally:
+            router_done.set()  # never leave the worker thread waiting past a failure
     assert received == list(range(BURST))  # nothing lost, nothing reordered
     assert worker_received == [list(range(BURST))]
 
