@@ -167,7 +167,7 @@ def _worker_burst(ctx: zmq.Context[Any], addr: str, n: int, hwm: int, router_don
     finally:
         # Close only after the router has everything. A linger does not make close safe: with the router's tiny
         # RCVHWM holding frames back, libzmq can drop the DEALER's last frames on close whatever the linger
-        # (zeromq/libzmq#4660; reproduced here: ~1 run in 75 under CPU load lost 100-1000 StepOutputs, the
+        # (zeromq/libzmq#4660; reproduced here: ~1 run in 75 under CPU load lost the last 9-1,021 StepOutputs, the
         # router's monitor showing DISCONNECTED and EVENTS 0). Real peers end with an acknowledged exchange.
         router_done.wait(WAIT)
         dealer.close(linger=int(WAIT * 1000))
