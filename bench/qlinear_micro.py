@@ -1,6 +1,8 @@
 """Micro-benchmark of the linear-layer candidates at SmolLM2's shapes on this CPU: fp32 F.linear, fbgemm's
 prepacked dynamic int8 (torch.ops.quantized.linear_dynamic) and our block-quantized kernel (q4 = GGUF Q4_1,
-q8 = Q8_0). Prints ms per call and speed-up over fp32 for each (M, N, K); ratios are from this run only.
+q8 = Q8_0) with int8 activations (A8, act_bits=8) and int16 activations (A16, act_bits=16, the default
+arithmetic). Prints ms per call and speed-up over fp32 for each (M, N, K); ratios are from this run only.
+fp32 runs F.linear on the de-quantized Q4 weights (the same tensor sizes as the model's fp32 mode).
 
     .venv/bin/python bench/qlinear_micro.py [--threads 2] [--ms 1,16,64,256,512]
 """
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_cupy.cpu.qgemm import load_qgemm
-from workers.models.quant import quantize
+from workers.models.quant import dequantize, quantize
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -41,11 +43,13 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     mod = load_qgemm()
     print(f"torch {torch.__version__}, threads {a.threads}, kernel path {mod.isa() if mod else 'none'}")
-    print(f"{'shape':8} {'M':>4} {'fp32 ms':>8} {'fbgemm8':>8} {'q8 ms':>8} {'q4 ms':>8}  speed-up fbgemm/q8/q4")
+    print(f"{'shape':8} {'M':>4} {'fp32 ms':>8} {'fbgemm8':>8} {'q8 A8':>8} {'q4 A8':>8} {'q8 A16':>8} {'q4 A16':>8}"
+          "  speed-up over fp32: fbgemm / q8 A8 / q4 A8 / q8 A16 / q4 A16")
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k) * 0.05
         q8, q4 = quantize(w, 8), quantize(w, 4)
+        w = dequantize(q4)
         packed = torch.ops.quantized.linear_prepack(
             torch.quantize_per_channel(w, (w.abs().amax(1) / 127).clamp_min(1e-8), torch.zeros(n, dtype=torch.long),
                                        0, torch.qint8), None)
@@ -53,10 +57,10 @@ def main() -> None:
             x = torch.randn(m, k)
             t32 = timeit(lambda: F.linear(x, w))
             tfb = timeit(lambda: torch.ops.quantized.linear_dynamic(x, packed, True))
-            t8 = timeit(lambda: mod.qlinear(x, q8.codes, q8.d, None, None, 8)) if mod else float("nan")
-            t4 = timeit(lambda: mod.qlinear(x, q4.codes, q4.d, q4.m, None, 4)) if mod else float("nan")
-            print(f"{name:8} {m:4d} {t32:8.3f} {tfb:8.3f} {t8:8.3f} {t4:8.3f}  "
-                  f"{t32 / tfb:5.2f}x {t32 / t8:5.2f}x {t32 / t4:5.2f}x")
+            ts = [timeit(lambda: mod.qlinear(x, q.codes, q.d, q.m, None, q.bits, None, act)) if mod else float("nan")
+                  for act in (8, 16) for q in (q8, q4)]
+            print(f"{name:8} {m:4d} {t32:8.3f} {tfb:8.3f} " + " ".join(f"{t:8.3f}" for t in ts) + "  "
+                  + " ".join(f"{t32 / t:5.2f}x" for t in (tfb, *ts)))
 
 
 if __name__ == "__main__":

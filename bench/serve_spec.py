@@ -324,7 +324,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--modes", default="off,on", help="off,on[,on-nobackoff] (on with disable_by_batch_size 10000, "
                     "to show what the batch back-off avoids)")
-    ap.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
+    ap.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4", "int8-a8", "int4-a8"],
                     help="passed to every server (default: the server's own, int4 blocks of the GGUF)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
                     help="the same step budget for every server (0: each worker measures its own at start-up, "

@@ -88,7 +88,7 @@ def _engine_args(g: argparse._ActionsContainer) -> None:
     """Engine flags the gateway passes to the workers it starts."""
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"])
+    g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4", "int8-a8", "int4-a8"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],

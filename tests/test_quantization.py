@@ -13,9 +13,6 @@ Tolerances, and why:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels_cupy.cpu.qgemm import load_qgemm
 from kernels_cupy.torch_ref import TorchAttentionBackend
-from tests.cpu_support import built
+from tests.cpu_support import built, results_per_isa
 from tests.tiny import hf_model
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.scheduler import SchedulerConfig
@@ -140,7 +137,6 @@ for bits in (4, 8):
     outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits))
     if bits == 4:  # the transposed minimums' path (min_terms8 and, for 19 columns, min_terms1)
         outs.append(mod.qlinear(x, w.codes, w.d, w.m, None, bits, w.m.half().t().contiguous()))
-    outs.append(mod.dequant(w.codes, w.d, w.m, bits, torch.empty(19 * 96)).T[:5])  # (5, 19) of the weights
 torch.save(torch.cat(outs, 1), __import__("sys").argv[1])
 print(mod.isa())
 """
@@ -149,43 +145,25 @@ print(mod.isa())
 def test_every_isa_path_agrees(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The scalar path, AVX2 and (where the CPU has it) VNNI give the same results; each runs in its own
     process because the path is chosen once per process."""
-    results = {}
-    for isa in ("scalar", "avx2", "best"):
-        out = tmp_path / f"{isa}.pt"
-        env = dict(os.environ, KVGATE_QGEMM_ISA=isa)
-        p = subprocess.run([sys.executable, "-c", _ISA_CHECK, str(out)], env=env, capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-        results[p.stdout.strip()] = torch.load(out)
-    assert "scalar" in results
+    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "best"), tmp_path)
     ref = results["scalar"]
     for isa, got in results.items():
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), isa
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_dequant_kernel_gives_the_blocks_exact_weights(kernel, bits: int) -> None:  # type: ignore[no-untyped-def]
-    w = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(bits)), bits)
-    buf = torch.full((40 * 160 + 7,), float("nan"))  # a larger buffer than needed: only the front is used
-    assert torch.equal(kernel.dequant(w.codes, w.d.half(), None if w.m is None else w.m.half(), bits, buf),
-                       dequantize(w))
-    with pytest.raises(RuntimeError, match="at least N"):
-        kernel.dequant(w.codes, w.d, w.m, bits, torch.empty(10))
-
-
-def test_long_chunks_run_the_dense_path_short_ones_the_kernel(kernel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """From DENSE_MIN_ROWS rows a BlockLinear runs fp32 over the exact de-quantized weights (activations not
-    rounded); below it, the block kernel (activations rounded to int8 per block)."""
-    from workers.models import linear
-
-    monkeypatch.setattr(linear, "DENSE_MIN_ROWS", 8)
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_block_linear_runs_one_arithmetic_for_every_chunk_length(kernel, act_bits: int) -> None:  # type: ignore[no-untyped-def]
+    """No row-count switch (there was one: fp32 GEMM from 96 rows): a row's output is the same bits whether it
+    runs alone (decode), in a short chunk or in a long prefill chunk."""
     g = torch.Generator().manual_seed(5)
     w, bias = quantize(torch.randn(24, 64, generator=g), 4), torch.randn(24, generator=g)
-    layer = BlockLinear(w, bias, kernel)
-    long, short = torch.randn(8, 64, generator=g), torch.randn(7, 64, generator=g)
-    torch.testing.assert_close(layer(long), F.linear(long, dequantize(w), bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer(short), _exact(short, w, bias), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(layer(short), F.linear(short, dequantize(w), bias), rtol=1e-5, atol=1e-5)
+    layer = BlockLinear(w, bias, kernel, act_bits)
+    x = torch.randn(200, 64, generator=g)
+    whole = layer(x)
+    assert torch.equal(layer(x[7:8]), whole[7:8])
+    assert torch.equal(layer(x[3:19]), whole[3:19])
+    if act_bits == 8:
+        torch.testing.assert_close(whole, _exact(x, w, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_block_linear_falls_back_to_its_reference_without_the_kernel() -> None:
@@ -273,4 +251,5 @@ def test_layers_not_in_whole_blocks_stay_fp32(kernel) -> None:  # type: ignore[n
     model = _tiny("int4", kernel, hidden_size=48, intermediate_size=96)  # 48 % 32 != 0: q/k/v, gate/up, head
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(("proj", "lm_head"))}
     assert kinds["layers.0.mlp.down_proj"] == "BlockLinear"  # 96 inputs: three blocks
-    assert kinds["layers.0.self_attn.qkv_proj"] == "Linear" and kinds["lm_head"] == "Linear"
+    # The rest run fp32 through the fixed-order kernel.
+    assert kinds["layers.0.self_attn.qkv_proj"] == "DenseLinear" and kinds["lm_head"] == "DenseLinear"

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from workers.core.scheduler import SchedulerConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZATIONS = ("auto", "none", "int8", "int4")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4", "int8-a8", "int4-a8")
+_BLOCK_MODES = _QUANTIZATIONS[2:]
 KV_CACHE_DTYPES = ("auto",) + _DTYPES + ("int8",)
 
 
@@ -20,7 +21,8 @@ class ModelConfig:
     seed: int = 0  # for requests that carry no seed of their own
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: torch's default)
     # Linear layers: "none" (fp32, token-identical to transformers: what the golden test pins), "int8" /
-    # "int4" (GGUF-style blocks, the C++ kernel), "auto" (the rule in workers.models.linear; "none" off the
+    # "int4" (GGUF-style blocks, 16-bit activations, the C++ kernel), "int8-a8" / "int4-a8" (8-bit
+    # activations: faster, lower agreement with fp32), "auto" (the rule in workers.models.linear; "none" off the
     # CPU or below fp32). The offline LLM, `kvgate worker` and `kvgate serve` default to "auto"; this engine
     # config stays "none" so engine-level tests on tiny models keep their exact fp32 oracles.
     quantization: str = "none"
@@ -28,9 +30,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization in ("int8", "int4") and self.device != "cpu":
-            raise ValueError("quantization int8/int4 runs on the CPU only; use 'none' (or 'auto') on CUDA")
-        if self.quantization in ("int8", "int4") and self.dtype != "float32":
+        if self.quantization in _BLOCK_MODES and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on the CPU only; use 'none' (or 'auto') on CUDA")
+        if self.quantization in _BLOCK_MODES and self.dtype != "float32":
             raise ValueError(f"quantization {self.quantization} computes in float32; got dtype {self.dtype!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

@@ -1,4 +1,12 @@
-"""The CPU attention backend: the torch reference with decodes routed to the C++ paged kernel."""
+"""The CPU attention backend: every query row through the C++ paged kernel as a decode row, the torch reference
+for the dtypes the kernel does not read.
+
+A prefill chunk of qlen rows over seq_len positions runs as qlen decode rows (row j sees the first
+seq_len - qlen + j + 1 positions), whether its prefix was cached or not and however long it is. The kernel's
+result for a row depends only on its query and its context (fixed context chunks merged in a fixed order), so a
+prompt token's attention is bit-identical whether it was computed in a cold prefill, in chunks of 16 or 512,
+over a prefix-cache hit, as a decode row, next to any other request, on any number of threads.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,6 @@ import torch
 
 from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.torch_ref import TorchAttentionBackend
-
-
-# A chunk of at most this many query rows over a cached context (a speculative verify step: 1 + K rows) runs
-# as that many decode rows through the kernel, row j seeing the context up to and including itself; longer
-# chunks go through the reference's gather + SDPA, which costs ~0.5 ms a layer in masks and copies.
-SHORT_CHUNK_ROWS = 16
-
 
 # Cache dtypes the C++ kernels both write (write_kv) and read (paged_decode).
 KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -33,11 +34,26 @@ def chunk_as_decode_rows(block_table: torch.Tensor, seq_len: int, qlen: int) -> 
     return block_table[None, :].expand(qlen, -1), lens
 
 
+def step_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of a step as a decode row: its sequence's block table (T, nb) int32, contiguous, cut to
+    the blocks the longest context uses, and the context it sees (T,) int32, itself included."""
+    nd = meta.num_decodes
+    if nd == meta.num_seqs:  # decodes only: the step's own tables
+        return meta.block_tables[:nd], meta.seq_lens[:nd]
+    nb = -(-max(meta.seq_lens_cpu) // block_size)
+    rows = [(meta.block_tables[:nd, :nb], meta.seq_lens[:nd])] if nd else []
+    rows += [chunk_as_decode_rows(meta.block_tables[i, :nb], meta.seq_lens_cpu[i], meta.query_lens_cpu[i])
+             for i in range(nd, meta.num_seqs)]
+    return torch.cat([tables for tables, _ in rows]), torch.cat([lens for _, lens in rows])
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self, module: Any) -> None:
         self._mod = module
+        # The last step's row tables: every layer of a step attends with the same metadata object.
+        self._rows: tuple[AttentionMetadata, int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -47,6 +63,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().write_kv(key, value, k_cache, v_cache, meta)
         self._mod.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return None
+
+    def step_rows(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """step_rows, built once a step (the layers share the metadata object)."""
+        if self._rows is None or self._rows[0] is not meta or self._rows[1] != block_size:
+            self._rows = (meta, block_size, step_rows(meta, block_size))
+        return self._rows[2]
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (T, Hq, D)
+        key: torch.Tensor,  # (T, Hkv, D), already in the cache: the kernel reads it from there
+        value: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (NB, BS, Hkv, W)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        """Decodes and prefill chunks (any length, cached prefix or not) in one kernel call, as decode rows."""
+        if not _kernel_reads(query, k_cache):
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
+        tables, lens = self.step_rows(meta, k_cache.shape[1])
+        out: torch.Tensor = self._mod.paged_decode(query.contiguous(), k_cache, v_cache, tables, lens, scale)
+        return out
 
     def _decode(
         self,
@@ -65,10 +104,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,  # type: ignore[override]
                  block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-        """q (qlen, Hq, D), block_table (max_blocks,) -> (qlen, Hq, D): the reference's contract."""
-        qlen = q.shape[0]
-        if qlen > SHORT_CHUNK_ROWS or not _kernel_reads(q, k_cache):
+        """q (qlen, Hq, D), block_table (max_blocks,) -> (qlen, Hq, D): the reference's contract, any qlen."""
+        if not _kernel_reads(q, k_cache):
             return TorchAttentionBackend._prefill(q, k_cache, v_cache, block_table, seq_len, scale)
-        tables, lens = chunk_as_decode_rows(block_table, seq_len, qlen)
+        tables, lens = chunk_as_decode_rows(block_table, seq_len, q.shape[0])
         out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache, tables.contiguous(), lens, scale)
         return out

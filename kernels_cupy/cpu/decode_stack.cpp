@@ -1,16 +1,17 @@
-// The decoder layers of a decode-only step in one call: for a single stream of SmolLM2 the Python path ran
-// ~12 module and kernel calls a layer (360 a step), ~4 ms of dispatch against ~7 ms of arithmetic. Here the
-// same kernels run in the same order with the same arithmetic, called from C++ with the GIL released.
+// The decoder layers of a step in one call: for a single stream of SmolLM2 the Python path ran ~12 module and
+// kernel calls a layer (360 a step), ~4 ms of dispatch against ~7 ms of arithmetic. Here the same kernels run in
+// the same order with the same arithmetic, called from C++ with the GIL released.
 //
 // One translation unit: the kernels' own sources are included (their Python modules compiled out with
 // KVGATE_ONE_TU), so this module needs nothing from the others at run time and cannot drift from them.
 // Built with the union of their flags: -march=native (the decode attention's AVX2 body), -ffp-contract=off
 // (rope rounds like torch's), OpenMP. The quantized GEMM still picks its instruction set at run time.
 //
-// The Python side (workers/models/decode_stack.py) decides when a step may run here: rows that attend as
-// decode rows (decodes, and short chunks over a cached context such as speculative verify steps), fp32
-// activations and caches, every projection a block or fp32 linear. It is checked against the module path by
-// tests/test_decode_stack.py.
+// Every row attends as a decode row (row j of a prompt chunk sees the context up to itself, through the paged
+// kernel), and every kernel's result for a row is independent of the other rows of the step, so prefill chunks,
+// decodes and verify steps all run here. The Python side (workers/models/decode_stack.py) decides when a step
+// may: fp32 activations, a KV cache the kernels read, every projection a block or fp32 linear. It is checked
+// against the module path by tests/test_decode_stack.py.
 #define KVGATE_ONE_TU 1
 #include "qgemm.cpp"
 #include "paged_decode.cpp"
@@ -20,17 +21,19 @@
 
 namespace decode_stack {
 
-// One projection: GGUF-style blocks (bits 4 or 8, the qgemm kernel) or an fp32 weight (bits 0, torch's GEMM).
+// One projection: GGUF-style blocks (bits 4 or 8, the qgemm kernel, activations at act_bits 8 or 16) or an fp32
+// weight (bits 0, the fixed-order fp32 kernel flinear): the same calls as the module path's BlockLinear and
+// DenseLinear, so both give the same bits.
 struct Linear {
-  int64_t bits = 0;
+  int64_t bits = 0, act_bits = 16;
   torch::Tensor wq, wd, wm, wmt, bias, dense;  // undefined where the layer has none
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
     const c10::optional<torch::Tensor> b = bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-    if (bits == 0) return at::linear(x, dense, b);
+    if (bits == 0) return flinear(x.contiguous(), dense, b);
     const c10::optional<torch::Tensor> m = wm.defined() ? c10::optional<torch::Tensor>(wm) : c10::nullopt;
     const c10::optional<torch::Tensor> mt = wmt.defined() ? c10::optional<torch::Tensor>(wmt) : c10::nullopt;
-    return qlinear(x, wq, wd, m, b, bits, mt);
+    return qlinear(x, wq, wd, m, b, bits, mt, act_bits);
   }
 };
 
@@ -42,12 +45,14 @@ struct Layer {
 class Stack {
  public:
   // tensors: per layer norm1, norm2, then for qkv, o, gate_up, down in turn: wq, wd, wm, wmt, bias, dense (None
-  // where absent); bits: per layer the four projections' widths (0: fp32 `dense`).
-  Stack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& bits, int64_t hq,
-        int64_t hkv, int64_t head_dim, double eps)
+  // where absent); bits: per layer the four projections' widths (0: fp32 `dense`); act_bits: their activation
+  // widths (8 or 16; ignored for bits 0).
+  Stack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& bits,
+        const std::vector<int64_t>& act_bits, int64_t hq, int64_t hkv, int64_t head_dim, double eps)
       : hq_(hq), hkv_(hkv), d_(head_dim), eps_(eps) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0 && head_dim % 2 == 0, "bad head layout");
-    TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4, "26 tensors and 4 widths a layer");
+    TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4 && act_bits.size() == bits.size(),
+                "26 tensors and 4 widths a layer");
     auto get = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : torch::Tensor(); };
     for (size_t l = 0; l < tensors.size() / 26; ++l) {
       const size_t t0 = l * 26;
@@ -57,7 +62,7 @@ class Stack {
       for (size_t j = 0; j < 4; ++j) {
         Linear& lin = *lins[j];
         const size_t b = t0 + 2 + 6 * j;
-        lin.bits = bits[l * 4 + j];
+        lin.bits = bits[l * 4 + j], lin.act_bits = act_bits[l * 4 + j];
         lin.wq = get(b), lin.wd = get(b + 1), lin.wm = get(b + 2), lin.wmt = get(b + 3), lin.bias = get(b + 4);
         lin.dense = get(b + 5);
         TORCH_CHECK(lin.bits == 0 ? lin.dense.defined() : (lin.wq.defined() && lin.wd.defined()),
@@ -83,7 +88,7 @@ class Stack {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one K/V cache a layer");
     const int64_t t = x.size(0);
     TORCH_CHECK(block_tables.size(0) == t && seq_lens.numel() == t && slots.numel() == t && positions.numel() == t,
-                "decode rows only: one table row, length, slot and position per row of x");
+                "one table row, length, slot and position per row of x");
     const int64_t qw = hq_ * d_, kw = hkv_ * d_;
     torch::Tensor delta;
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -111,10 +116,10 @@ class Stack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<decode_stack::Stack>(m, "Stack")
-      .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&, int64_t,
-                          int64_t, int64_t, double>())
+      .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
+                          const std::vector<int64_t>&, int64_t, int64_t, int64_t, double>())
       .def("num_layers", &decode_stack::Stack::num_layers)
       .def("forward", &decode_stack::Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "the decoder layers of a decode-only step; returns the last MLP output");
+           "the decoder layers of a step; returns the last MLP output");
   m.def("isa", &isa, "the quantized GEMM's instruction-set path chosen at run time");
 }

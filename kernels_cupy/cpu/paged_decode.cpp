@@ -1,12 +1,16 @@
-// Paged decode attention for the CPU: one query token per sequence, K/V read straight from the paged
-// cache through the block table, so each cached K/V row is read exactly once (the torch path gathers the
-// blocks into a padded copy first, which triples the memory traffic that bounds decode on a CPU).
+// Paged attention for the CPU, one query row at a time ("decode rows": a decode, or row j of a prefill chunk
+// seeing the context up to itself), K/V read straight from the paged cache through the block table (the torch
+// path gathers the blocks into a padded copy first, which triples the memory traffic).
 //
-// Work split: one work item per (sequence n, KV head h), or per (n, h, context chunk) when there are too few
-// items to keep the threads busy (a single stream); the G = Hq / Hkv query heads that share the KV head are
-// handled together so every K/V row loaded from memory serves all of them (GQA). Items are spread over
-// threads with at::parallel_for. Two passes per item: scores, then softmax-weighted V sum; the scores
-// buffer (G x L floats) is small next to the K/V it summarises. Chunks are merged by their max and sum.
+// Determinism: a row's context is cut into chunks at fixed absolute positions (multiples of kChunk); each
+// chunk gives a partial softmax (max, sum, weighted V sum) and a row's partials are merged in chunk order by
+// one function (fold), so a row's bits depend on its query, its context and the chunk length only: not on the
+// other rows of the call, how they are grouped into work items, or the threads.
+//
+// Work: the G = Hq / Hkv query heads that share a KV head are handled together, and up to kGroupRows
+// consecutive rows of one sequence (a prefill chunk) too, so every K/V row loaded serves all of them. Items
+// are (row group, KV head), or (row group, KV head, chunk) where there are too few groups to keep the threads
+// busy, handed out dynamically. Two passes per chunk: scores, then softmax-weighted V sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -128,24 +132,23 @@ static inline float exp_neg(float x) {
 
 #include "paged_decode_avx2.h"
 
-// One work item's share of a softmax: the G query heads of one KV head over context rows [t0, t1). Leaves
-// acc (G, D) = sum_t exp(s_t - m) v_t, and m, l (G) = the rows' max score and sum_t exp(s_t - m), so chunks
-// of one sequence merge exactly (flash-decoding's split-K).
+// Positions per context chunk. A row's context is cut at multiples of kChunk (absolute positions), each chunk
+// gives a partial softmax, and the partials are merged in chunk order: what a row computes depends on its
+// query, its context and kChunk only, never on the batch around it or the thread count. 64 by measurement
+// (bench/prefill_attention.py, Zen 3, SmolLM2 shapes, thread CPU time): a 512-row prompt took 7.1-7.5 ms at 64,
+// 7.8-8.7 at 128, 9.1 at 256 (a chunk's K/V, 2 x 16 KiB in fp32, and its scores stay in L1); decodes did not
+// tell 64 from 128 or 256 apart; the merge costs ~1/128 of a chunk's arithmetic.
+constexpr int64_t kChunk = 64;
+// At most this many consecutive query rows of one sequence share each K/V row loaded (a prefill chunk's rows):
+// 16 rows took 28.7-30.5 ms for a 1024-row prompt, 8 rows 32-33; 1 row (nothing shared) was ~1.5x slower.
+constexpr int64_t kGroupRows = 16;
+
+// One row's share of a softmax: the G query heads of one KV head over context rows [t0, t1). Leaves
+// acc (G, D) = sum_t exp(s_t - m) v_t, and m, l (G) = the rows' max score and sum_t exp(s_t - m).
 template <typename KV>
 static void attend_rows(const float* qn, const KV* kp, const KV* vp, const int32_t* bt, int64_t t0, int64_t t1,
                         int64_t BS, int64_t Hkv, int64_t h, int64_t W, int64_t D, int64_t G, float sc,
                         float* scores, float* tmp, float* acc, float* m, float* l) {
-#ifdef KVGATE_DECODE_AVX2
-  if (codes_fn() == codes_avx2) {  // set_kv_isa("scalar") keeps the portable loops (tests compare the two)
-    switch (D) {
-      case 16: return avx2dec::attend<KV, 2>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
-      case 32: return avx2dec::attend<KV, 4>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
-      case 64: return avx2dec::attend<KV, 8>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
-      case 128: return avx2dec::attend<KV, 16>(qn, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, sc, scores, acc, m, l);
-      default: break;
-    }
-  }
-#endif
   const int64_t L = t1 - t0;
   // Rows walk the block table incrementally: a division by the (run-time) block size per row cost more than
   // the row's arithmetic.
@@ -179,20 +182,194 @@ static void attend_rows(const float* qn, const KV* kp, const KV* vp, const int32
   }
 }
 
-// Context chunks per sequence: 1 unless there are fewer (sequence, KV head) items than twice the threads
-// (a single stream has Hkv items, 3 for SmolLM2 on 2 threads: one thread would do two thirds of the work);
-// never chunks under 64 rows, whose merge would cost more than the balance gains.
-static int64_t chunks_per_seq(int64_t items, int64_t max_len) {
-  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
-  if (items >= want) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>((want + items - 1) / items, max_len / 64));
+// One context chunk [t0, t1) of KV head h for nr consecutive query rows of one sequence: row r (queries at
+// q + r * qs, (G, D)) sees positions [t0, min(t1, lens[r])); lens nondecreasing, lens[0] > t0; bt a block table
+// valid for every row. Leaves slots (nr, G * (D + 2)): per row acc (G, D), m (G), l (G) as attend_rows.
+// scores: (nr, G, CH) scratch, tmp: (D) scratch.
+template <typename KV>
+static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
+                         const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
+                         int64_t D, int64_t G, float sc, float* scores, float* tmp, float* slots) {
+  const int64_t CH = kChunk;
+#ifdef KVGATE_DECODE_AVX2
+  if (codes_fn() == codes_avx2) {  // set_kv_isa("scalar") keeps the portable loops (tests compare the two)
+#define KVGATE_GROUP(V) \
+  return avx2dec::attend_group<KV, V>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots)
+    switch (D) {
+      case 16: KVGATE_GROUP(2);
+      case 32: KVGATE_GROUP(4);
+      case 64: KVGATE_GROUP(8);
+      case 128: KVGATE_GROUP(16);
+      default: break;
+    }
+#undef KVGATE_GROUP
+  }
+#endif
+  const int64_t S = G * (D + 2);
+  for (int64_t r = 0; r < nr; ++r) {  // the portable loops share nothing between rows
+    float* slot = slots + r * S;
+    attend_rows<KV>(q + r * qs, kp, vp, bt, t0, std::min<int64_t>(t1, lens[r]), BS, Hkv, h, W, D, G, sc, scores,
+                    tmp, slot, slot + G * D, slot + G * D + G);
+  }
+}
+
+// The merge of one row's chunk partials, always folded in chunk order from chunk 0's (copied) state:
+// st (G * (D + 2)) = (acc, m, l) so far; part the next chunk's. With one chunk nothing is folded and
+// finish() divides acc by its own sum, bit for bit what a kernel without chunks gives.
+static void fold(float* st, const float* part, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* m = st + G * D + g;
+    float* l = st + G * D + G + g;
+    const float mc = part[G * D + g], mn = *m > mc ? *m : mc;
+    const float a = exp_neg(*m - mn), b = exp_neg(mc - mn);  // one of them is exp(0) = 1 exactly
+    *l = *l * a + part[G * D + G + g] * b;
+    *m = mn;
+    float* o = st + g * D;
+    const float* acc = part + g * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] = o[i] * a + acc[i] * b;
+  }
+}
+
+// out (G, D) = acc / l per query head.
+static void finish(const float* st, float* out, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / st[G * D + G + g];
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = st[g * D + i] * inv;
+  }
+}
+
+static int64_t num_chunks(int64_t L) { return (L + kChunk - 1) / kChunk; }
+
+// One call's tensors and shapes, shared by its work items.
+template <typename KV>
+struct Call {
+  const float* q;  // (N, Hq, D)
+  const KV* k;     // (NB, BS, Hkv, W)
+  const KV* v;
+  const int32_t* bt;  // (N, MAXB)
+  const int32_t* sl;  // (N,)
+  float* out;         // (N, Hq, D)
+  int64_t N, Hq, D, BS, Hkv, W, MAXB, G;
+  float sc;
+  std::vector<int64_t> gstart;  // (groups + 1,) first row of each group of rows that share K/V loads
+  int64_t S() const { return G * (D + 2); }  // one row's partial: acc (G, D), m (G), l (G)
+};
+
+// A thread's scratch: scores (kGroupRows, G, CH), tmp (D), slots and state (kGroupRows, G * (D + 2)).
+struct Scratch {
+  std::vector<float> scores, tmp, slots, state;
+  Scratch(int64_t G, int64_t D)
+      : scores(kGroupRows * G * kChunk), tmp(D), slots(kGroupRows * G * (D + 2)), state(slots.size()) {}
+};
+
+// Groups of up to kGroupRows consecutive rows whose lengths do not shrink and whose block tables agree over
+// the later row's context (the rows of one prefill chunk): every row's blocks are then the group's last
+// row's. Grouping changes which loads are shared, never a row's arithmetic.
+template <typename KV>
+static void row_groups(Call<KV>& c) {
+  c.gstart.clear();
+  for (int64_t n = 0; n < c.N; ++n) {
+    const int64_t L = c.sl[n];
+    TORCH_CHECK(L >= 1 && L <= c.MAXB * c.BS, "row ", n, ": context length ", L, " outside its block table");
+    const bool joins = n > 0 && n - c.gstart.back() < kGroupRows && L >= c.sl[n - 1] &&
+                       std::memcmp(c.bt + n * c.MAXB, c.bt + (n - 1) * c.MAXB,
+                                   sizeof(int32_t) * ((L + c.BS - 1) / c.BS)) == 0;
+    if (!joins) c.gstart.push_back(n);
+  }
+  c.gstart.push_back(c.N);
+}
+
+// Chunk ch of group gi, KV head h: the partials of the group's rows that reach it, rows [rf, nr) of the group,
+// into s.slots (row r at r * S). Returns rf.
+template <typename KV>
+static int64_t run_chunk(const Call<KV>& c, int64_t gi, int64_t h, int64_t ch, Scratch& s) {
+  const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0, t0 = ch * kChunk;
+  const int32_t* lens = c.sl + r0;
+  int64_t rf = 0;
+  while (lens[rf] <= t0) ++rf;  // lengths do not shrink within a group: the rows that reach t0 are a suffix
+  const int64_t t1 = std::min<int64_t>(t0 + kChunk, lens[nr - 1]);
+  attend_group<KV>(c.q + ((r0 + rf) * c.Hq + h * c.G) * c.D, c.Hq * c.D, lens + rf, nr - rf, c.k, c.v,
+                   c.bt + (r0 + nr - 1) * c.MAXB, t0, t1, c.BS, c.Hkv, h, c.W, c.D, c.G, c.sc, s.scores.data(),
+                   s.tmp.data(), s.slots.data() + rf * c.S());
+  return rf;
+}
+
+// Work item (group gi, KV head h), every chunk: partials folded into each row's state in chunk order.
+template <typename KV>
+static void run_group(const Call<KV>& c, int64_t gi, int64_t h, Scratch& s) {
+  const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0, S = c.S();
+  for (int64_t ch = 0; ch < num_chunks(c.sl[r0 + nr - 1]); ++ch) {
+    const int64_t rf = run_chunk(c, gi, h, ch, s);
+    for (int64_t r = rf; r < nr; ++r) {
+      float* st = s.state.data() + r * S;
+      const float* part = s.slots.data() + r * S;
+      if (ch == 0) std::copy(part, part + S, st);
+      else fold(st, part, c.G, c.D);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) finish(s.state.data() + r * S, c.out + ((r0 + r) * c.Hq + h * c.G) * c.D, c.G, c.D);
+}
+
+// Items [0, n) handed to the threads one at a time: a prefill's later rows see longer contexts, so equal
+// static shares would leave a thread idle. f(item, scratch).
+template <typename F>
+static void for_items(int64_t n, int64_t G, int64_t D, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch s(G, D);
+    for (int64_t w; (w = next.fetch_add(1)) < n;) f(w, s);
+  });
+}
+
+// One item per (group, KV head), largest first.
+template <typename KV>
+static void run_whole(const Call<KV>& c) {
+  const int64_t ng = static_cast<int64_t>(c.gstart.size()) - 1;
+  std::vector<int64_t> order(ng), work(ng, 0);  // (groups,): K/V positions read by each group's rows
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    order[gi] = gi;
+    for (int64_t n = c.gstart[gi]; n < c.gstart[gi + 1]; ++n) work[gi] += c.sl[n];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  for_items(ng * c.Hkv, c.G, c.D, [&](int64_t w, Scratch& s) { run_group(c, order[w / c.Hkv], w % c.Hkv, s); });
+}
+
+// One item per (group, KV head, chunk) when there are too few groups to keep the threads busy (a single
+// stream has Hkv of them): partials into a buffer, then each row's merged in chunk order as run_group does.
+template <typename KV>
+static void run_split(const Call<KV>& c) {
+  const int64_t S = c.S();
+  std::vector<int64_t> base(c.N + 1, 0);  // (N + 1,): first partial of each row
+  for (int64_t n = 0; n < c.N; ++n) base[n + 1] = base[n] + num_chunks(c.sl[n]);
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (group, chunk) pairs
+  for (int64_t gi = 0; gi + 1 < static_cast<int64_t>(c.gstart.size()); ++gi)
+    for (int64_t ch = 0; ch < num_chunks(c.sl[c.gstart[gi + 1] - 1]); ++ch) chunks.emplace_back(gi, ch);
+  std::vector<float> part(base[c.N] * c.Hkv * S);  // (partials, Hkv, S)
+  for_items(static_cast<int64_t>(chunks.size()) * c.Hkv, c.G, c.D, [&](int64_t w, Scratch& s) {
+    const int64_t gi = chunks[w / c.Hkv].first, ch = chunks[w / c.Hkv].second, h = w % c.Hkv;
+    const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0;
+    for (int64_t r = run_chunk(c, gi, h, ch, s); r < nr; ++r)
+      std::copy_n(s.slots.data() + r * S, S, part.data() + ((base[r0 + r] + ch) * c.Hkv + h) * S);
+  });
+  at::parallel_for(0, c.N * c.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> st(S);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t n = w / c.Hkv, h = w % c.Hkv;
+      const float* p0 = part.data() + (base[n] * c.Hkv + h) * S;
+      std::copy(p0, p0 + S, st.data());
+      for (int64_t ch = 1; ch < base[n + 1] - base[n]; ++ch) fold(st.data(), p0 + ch * c.Hkv * S, c.G, c.D);
+      finish(st.data(), c.out + (n * c.Hq + h * c.G) * c.D, c.G, c.D);
+    }
+  });
 }
 
 // q:            (N, Hq, D)        fp32, contiguous
 // k_cache:      (NB, BS, Hkv, W)  fp32 or bf16 (W = D), or int8 (W = D + 4: codes, then the fp32 scale)
 // v_cache:      (NB, BS, Hkv, W)  same dtype and shape as k_cache
 // block_tables: (N, MAXB)         int32, physical block ids
-// seq_lens:     (N,)              int32, context length of each sequence (>= 1)
+// seq_lens:     (N,)              int32, context length of each row (1 <= L <= MAXB * BS)
 // returns       (N, Hq, D)        fp32
 template <typename KV>
 static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -200,70 +377,28 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), W = k_cache.size(3), MAXB = block_tables.size(1);
-  const int64_t G = Hq / Hkv;
-  TORCH_CHECK(W == (std::is_same<KV, int8_t>::value ? D + 4 : D), "cache rows do not match the head size");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && Hq % Hkv == 0, "cache shapes or head counts disagree");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2, "q (N, Hq, D), caches 4-D, tables 2-D");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0), "one table and length a row");
   auto bt_c = block_tables.contiguous();
   auto sl_c = seq_lens.contiguous();
-  const float* qp = q.data_ptr<float>();
-  const KV* kp = k_cache.data_ptr<KV>();
-  const KV* vp = v_cache.data_ptr<KV>();
-  const int32_t* bt = bt_c.data_ptr<int32_t>();
-  const int32_t* sl = sl_c.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  int64_t max_len = 1;
-  for (int64_t n = 0; n < N; ++n) max_len = std::max<int64_t>(max_len, sl[n]);
-  const int64_t C = chunks_per_seq(N * Hkv, max_len);
-  // Per item (n, h, c): acc (G, D), then m (G) and l (G); merged per (n, h) below when C > 1.
-  std::vector<float> part(C > 1 ? N * Hkv * C * G * (D + 2) : 0);
-
-  at::parallel_for(0, N * Hkv * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, tmp(D), own(G * (D + 2));
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t n = w / (Hkv * C), h = (w / C) % Hkv, c = w % C, L = sl[n];
-      const int64_t t0 = L * c / C, t1 = L * (c + 1) / C;
-      float* slot = C > 1 ? part.data() + w * G * (D + 2) : own.data();
-      scores.resize(G * std::max<int64_t>(t1 - t0, 1));
-      if (t1 > t0) {
-        attend_rows<KV>(qp + (n * Hq + h * G) * D, kp, vp, bt + n * MAXB, t0, t1, BS, Hkv, h, W, D, G, sc,
-                        scores.data(), tmp.data(), slot, slot + G * D, slot + G * D + G);
-      } else {  // an empty chunk (a context shorter than C): contributes nothing to the merge
-        std::fill(slot, slot + G * D, 0.f);
-        std::fill(slot + G * D, slot + G * D + G, -INFINITY);
-        std::fill(slot + G * D + G, slot + G * (D + 2), 0.f);
-      }
-      if (C == 1) {
-        float* o = op + (n * Hq + h * G) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / slot[G * D + G + g];
-          for (int64_t i = 0; i < D; ++i) o[g * D + i] = slot[g * D + i] * inv;
-        }
-      }
-    }
-  });
-  if (C == 1) return;
-  for (int64_t nh = 0; nh < N * Hkv; ++nh) {  // merge the chunks: rescale each by exp(m_c - max m)
-    const int64_t n = nh / Hkv, h = nh % Hkv;
-    for (int64_t g = 0; g < G; ++g) {
-      float mx = -INFINITY, lsum = 0.f;
-      for (int64_t c = 0; c < C; ++c) mx = std::fmax(mx, part[(nh * C + c) * G * (D + 2) + G * D + g]);
-      float* o = op + (n * Hq + h * G + g) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t c = 0; c < C; ++c) {
-        const float* slot = part.data() + (nh * C + c) * G * (D + 2);
-        const float m = slot[G * D + g];
-        if (m == -INFINITY) continue;
-        const float f = std::exp(m - mx);
-        lsum += slot[G * D + G + g] * f;
-        axpy(o, slot + g * D, f, D);
-      }
-      const float inv = 1.f / lsum;
-      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-    }
+  Call<KV> c{q.data_ptr<float>(), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(), bt_c.data_ptr<int32_t>(),
+             sl_c.data_ptr<int32_t>(), out.data_ptr<float>(), q.size(0), q.size(1), q.size(2), k_cache.size(1),
+             k_cache.size(2), k_cache.size(3), block_tables.size(1), 0, static_cast<float>(scale), {}};
+  TORCH_CHECK(c.W == (std::is_same<KV, int8_t>::value ? c.D + 4 : c.D), "cache rows do not match the head size");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && c.Hq % c.Hkv == 0, "cache shapes or head counts disagree");
+  c.G = c.Hq / c.Hkv;
+  row_groups(c);
+  // Which items run where changes no row's arithmetic: split only where whole groups would leave threads idle.
+  const int64_t ng = static_cast<int64_t>(c.gstart.size()) - 1;
+  int64_t total = 0, largest = 0, most_chunks = 0;
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    int64_t w = 0;
+    for (int64_t n = c.gstart[gi]; n < c.gstart[gi + 1]; ++n) w += c.sl[n];
+    total += w, largest = std::max(largest, w);
+    most_chunks = std::max(most_chunks, num_chunks(c.sl[c.gstart[gi + 1] - 1]));
   }
+  if (most_chunks > 1 && largest * 8 * at::get_num_threads() > total * c.Hkv) run_split(c);
+  else run_whole(c);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

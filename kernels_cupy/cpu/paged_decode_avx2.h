@@ -1,4 +1,4 @@
-// AVX2 + FMA body of one decode work item (paged_decode.cpp's attend_rows), for head sizes D = 8 V, V <= 16.
+// AVX2 + FMA body of one attention work item (paged_decode.cpp's attend_group), for head sizes D = 8 V, V <= 16.
 // The kernel is built with -march=native (its build key carries the CPU), so this is compiled exactly where
 // the CPU has AVX2 and FMA; elsewhere the portable loops run.
 //
@@ -69,43 +69,56 @@ static inline void softmax_row(float* s, int64_t L, float* m_out, float* l_out) 
   *l_out = sum;
 }
 
-// Same contract as attend_rows. V = D / 8.
+// One context chunk [t0, t1) for a group of nr query rows of one sequence (rows of a prefill chunk, or a single
+// decode row): same contract as attend_group in paged_decode.cpp. Row r sees positions [t0, min(t1, lens[r]));
+// lens are nondecreasing and lens[0] > t0. Each K/V row is loaded (and widened) once for every row and query
+// head that sees it; the arithmetic of each (row, head) is exactly that of the row computed alone. V = D / 8.
 template <typename KV, int V>
-static void attend(const float* qn, const KV* kp, const KV* vp, const int32_t* bt, int64_t t0, int64_t t1,
-                   int64_t BS, int64_t Hkv, int64_t h, int64_t W, int64_t G, float sc, float* scores,
-                   float* acc, float* m, float* l) {
+static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
+                         const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
+                         int64_t G, int64_t CH, float sc, float* scores, float* slots) {
   constexpr int64_t D = 8 * V;
-  const int64_t L = t1 - t0;
-  int64_t blk = t0 / BS, off = t0 % BS;
-  for (int64_t t = 0; t < L; ++t) {  // scores: each K row widened once, into registers, for all G heads
+  const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
+  int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
+  for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
+    while (lens[rf] <= t) ++rf;  // rows [rf, nr) see position t
     const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
     if (++off == BS) { off = 0; ++blk; }
     __m256 k[V];
     for (int v = 0; v < V; ++v) k[v] = load8(kr + 8 * v);
     const float s = row_scale(kr, D) * sc;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qn + g * D;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]), a1 = _mm256_setzero_ps();
-      for (int v = 1; v < V; ++v) {  // two chains of dependent FMAs instead of one
-        if (v & 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), k[v], a1);
-        else a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), k[v], a0);
+    for (int64_t r = rf; r < nr; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + r * qs + g * D;
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]), a1 = _mm256_setzero_ps();
+        for (int v = 1; v < V; ++v) {  // two chains of dependent FMAs instead of one
+          if (v & 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), k[v], a1);
+          else a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), k[v], a0);
+        }
+        scores[(r * G + g) * CH + (t - t0)] = hsum8(_mm256_add_ps(a0, a1)) * s;
       }
-      scores[g * L + t] = hsum8(_mm256_add_ps(a0, a1)) * s;
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax_row(scores + g * L, L, m + g, l + g);
-  for (int64_t g = 0; g < G; ++g) {  // weighted V sum: one head's accumulator stays in registers
-    __m256 a[V];
-    for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
-    const float* pg = scores + g * L;
-    blk = t0 / BS, off = t0 % BS;
-    for (int64_t t = 0; t < L; ++t) {
-      const KV* vr = vp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
-      if (++off == BS) { off = 0; ++blk; }
-      const __m256 p = _mm256_set1_ps(pg[t] * row_scale(vr, D));
-      for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, load8(vr + 8 * v), a[v]);
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t n = std::min<int64_t>(t1, lens[r]) - t0;
+    float* slot = slots + r * S;
+    for (int64_t g = 0; g < G; ++g) softmax_row(scores + (r * G + g) * CH, n, slot + G * D + g, slot + G * D + G + g);
+  }
+  for (int64_t r = 0; r < nr; ++r) {  // weighted V sum: one head's accumulator stays in registers
+    const int64_t n = std::min<int64_t>(t1, lens[r]) - t0;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 a[V];
+      for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
+      const float* pg = scores + (r * G + g) * CH;
+      blk = t0 / BS, off = t0 % BS;
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* vr = vp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
+        if (++off == BS) { off = 0; ++blk; }
+        const __m256 p = _mm256_set1_ps(pg[t] * row_scale(vr, D));
+        for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, load8(vr + 8 * v), a[v]);
+      }
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(slots + r * S + g * D + 8 * v, a[v]);
     }
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + g * D + 8 * v, a[v]);
   }
 }
 

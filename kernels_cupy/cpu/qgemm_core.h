@@ -7,7 +7,8 @@
 //   bits 8 (Q8_0):                                   wq (N, K) int8 codes, wd (N, K/32) fp16: w = d * code
 // Scales are fp16 as in the GGUF file: a decode step is bound by the bytes it reads, and fp32 scales made a
 // Q4_1 block 24 bytes instead of GGUF's 20 (the whole model 111 MB a step instead of 97).
-// Activations are quantized per row and block of 32 to int8 (see qgemm_impl.h).
+// Activations are quantized per row and block of 32 to int8 (act_bits 8, see qgemm_impl.h) or int16 (act_bits 16,
+// the default arithmetic; exact numerics in qgemm_a16.h, scalar reference scalar::quantize_rows16 / gemm16).
 //
 // Paths, picked once at run time from the CPU's features (KVGATE_QGEMM_ISA=scalar|avx2|vnni narrows it,
 // for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar.
@@ -38,6 +39,27 @@ struct QArgs {
   float* out;          // (M, N)
 };
 
+// The A16 kernel's arguments (qgemm_a16.h): int16 activations in its pair layout (SIMD) or natural order (scalar).
+struct QArgs16 {
+  int64_t M, N, K, bits;
+  const int16_t* qa;   // (M, qs) activation codes; qs >= (K/32 rounded up to 2) * 32
+  int64_t qs;          // row stride of qa, in int16
+  const float* sa;     // (M, ss) activation scales, ss = K/32 rounded up to 8, zero past K/32
+  const float* xsum;   // (M, ss) scale * sum of the block's codes, zero past K/32
+  int64_t ss;          // row stride of sa and xsum
+  const uint8_t* wq;   // weight codes, see above
+  const uint16_t* wd;  // (N, K/32) fp16 bits
+  const uint16_t* wm;  // (N, K/32) fp16 bits (bits 4), else null
+  const float* bias;   // (N,) or null
+  float* out;          // (M, N)
+};
+
+// Row strides of the A16 activation buffers for K (any path and layout: whole groups of 8 blocks).
+static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
+// From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16.h), below it the pair layout.
+static constexpr int64_t kLaneRows = 4;
+static inline int64_t a16_scale_stride(int64_t K) { return (K / 32 + 7) / 8 * 8; }
+
 enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
 
 namespace scalar {
@@ -61,13 +83,19 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// The largest |x_i| of a block of 32 (both scalar quantizers start here).
+static inline float block_amax(const float* v) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  return amax;
+}
+
 static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* scale, float* xsum) {
   const int64_t nb = K / 32;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + r * K + b * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+      const float amax = block_amax(v);
       const float d = amax / 127.0f, id = d != 0.f ? 1.0f / d : 0.f;
       int32_t s = 0;
       for (int i = 0; i < 32; ++i) {
@@ -81,6 +109,15 @@ static void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, fl
   }
 }
 
+// Element i of weight block b of row n: a Q4 nibble (GGUF order: low nibbles are elements 0..15) or a Q8 code.
+static inline int weight_code(const uint8_t* wq, int64_t bits, int64_t K, int64_t n, int64_t b, int i) {
+  if (bits == 4) {
+    const uint8_t byte = wq[n * (K / 2) + b * 16 + (i % 16)];
+    return i < 16 ? (byte & 0x0F) : (byte >> 4);
+  }
+  return static_cast<int8_t>(wq[n * K + b * 32 + i]);
+}
+
 static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
   const int64_t nb = a.K / 32;
   for (int64_t n = n0; n < n1; ++n) {
@@ -89,20 +126,69 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         const int8_t* x = a.qa + m * a.K + b * 32;
-        for (int i = 0; i < 32; ++i) {
-          int code;
-          if (a.bits == 4) {
-            const uint8_t byte = a.wq[n * (a.K / 2) + b * 16 + (i % 16)];
-            code = i < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            code = static_cast<int8_t>(a.wq[n * a.K + b * 32 + i]);
-          }
-          dot += code * x[i];
-        }
+        for (int i = 0; i < 32; ++i) dot += weight_code(a.wq, a.bits, a.K, n, b, i) * x[i];
         acc += static_cast<float>(dot) * half_to_float(a.wd[n * nb + b]) * a.sa[m * nb + b];
         if (a.bits == 4) acc += half_to_float(a.wmt ? a.wmt[b * a.N + n] : a.wm[n * nb + b]) * a.xsum[m * nb + b];
       }
       a.out[m * a.N + n] = acc + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+
+// The A16 reference (numerics: qgemm_a16.h), codes in natural order: block b of row r at q + r * qs + 32 b.
+static void quantize_rows16(const float* x, int64_t rows, int64_t K, int16_t* q, int64_t qs, float* sa, float* xsum,
+                            int64_t ss) {
+  const int64_t nb = K / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * K + b * 32;
+      const float amax = block_amax(v);
+      const float s = amax / 32767.0f, id = s != 0.f ? 1.0f / s : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        float t = v[i] * id;
+        t = t > -32767.f ? t : -32767.f;  // maxps then minps, operand for operand: NaN -> -32767
+        t = t < 32767.f ? t : 32767.f;
+        const int16_t c = static_cast<int16_t>(std::nearbyint(t));  // round to nearest even (default mode)
+        q[r * qs + b * 32 + i] = c;
+        sum += c;
+      }
+      sa[r * ss + b] = s;
+      xsum[r * ss + b] = s * static_cast<float>(sum);
+    }
+    for (int64_t b = nb; b < ss; ++b) sa[r * ss + b] = 0.f, xsum[r * ss + b] = 0.f;
+  }
+}
+
+// The exact integer dot of one weight block with one activation block (numerics 2).
+static int32_t block_dot16(const QArgs16& a, int64_t n, int64_t b, const int16_t* x) {
+  int32_t dot = 0;
+  for (int i = 0; i < 32; ++i) dot += weight_code(a.wq, a.bits, a.K, n, b, i) * x[i];
+  return dot;
+}
+
+// Eight lanes of blocks, padding blocks applied as +0 terms, the fixed tree, then the bias (numerics 3).
+static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / 32, ng = (nb + 7) / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t g = 0; g < ng; ++g) {
+        for (int j = 0; j < 8; ++j) {
+          const int64_t b = 8 * g + j;
+          const bool real = b < nb;
+          const int32_t isum = real ? block_dot16(a, n, b, a.qa + m * a.qs + b * 32) : 0;
+          const float d = real ? half_to_float(a.wd[n * nb + b]) : 0.f;
+          acc[j] = std::fma(static_cast<float>(isum), d * a.sa[m * a.ss + b], acc[j]);
+          if (a.bits == 4) {
+            const float mb = real ? half_to_float(a.wm[n * nb + b]) : 0.f;
+            acc[j] = std::fma(mb, a.xsum[m * a.ss + b], acc[j]);
+          }
+        }
+      }
+      float v = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      if (a.bias) v += a.bias[n];
+      a.out[m * a.N + n] = v;
     }
   }
 }
@@ -113,6 +199,7 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
 namespace avx2 {
 #define QG_VNNI 0
 #include "qgemm_impl.h"
+#include "qgemm_a16.h"
 #undef QG_VNNI
 }  // namespace avx2
 #pragma GCC pop_options
@@ -122,6 +209,7 @@ namespace avx2 {
 namespace vnni {
 #define QG_VNNI 1
 #include "qgemm_impl.h"
+#include "qgemm_a16.h"
 #undef QG_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -169,6 +257,27 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
     case kVnni: vnni::gemm(a, n0, n1); break;
     case kAvx2: avx2::gemm(a, n0, n1); break;
     default: scalar::gemm(a, n0, n1); break;
+  }
+}
+
+// A16 activations: the pair or lane layout for `bits` on the SIMD paths, natural order on the scalar one (qgemm_a16.h).
+// M: the whole call's rows (rows may be a part of them), which picks the layout.
+static void quantize_rows16(const float* x, int64_t rows, int64_t M, int64_t K, int bits, int16_t* q, int64_t qs,
+                            float* sa, float* xsum, int64_t ss) {
+  const bool lanes = M >= kLaneRows;
+  switch (isa()) {
+    case kVnni: vnni::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;
+    case kAvx2: avx2::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;
+    default: scalar::quantize_rows16(x, rows, K, q, qs, sa, xsum, ss); break;
+  }
+}
+
+// A16 output columns [n0, n1) for all rows; callers split N across threads.
+static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
+  switch (isa()) {
+    case kVnni: vnni::gemm16(a, n0, n1); break;
+    case kAvx2: avx2::gemm16(a, n0, n1); break;
+    default: scalar::gemm16(a, n0, n1); break;
   }
 }
 

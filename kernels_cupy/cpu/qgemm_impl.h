@@ -13,10 +13,9 @@
 
 static constexpr int QK = 32;
 
-// 32 floats -> 32 int8 codes, their scale and the block sum of the quantized values (scale * sum of codes).
-static inline void quantize_block(const float* x, int8_t* q, float* scale, float* xsum) {
+// The largest |x_i| of a block of 32 floats, the floats left in v (both activation quantizers start here).
+static inline float block_amax(const float* x, __m256 v[4]) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
     v[j] = _mm256_loadu_ps(x + 8 * j);
@@ -25,7 +24,13 @@ static inline void quantize_block(const float* x, int8_t* q, float* scale, float
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  return _mm_cvtss_f32(m4);
+}
+
+// 32 floats -> 32 int8 codes, their scale and the block sum of the quantized values (scale * sum of codes).
+static inline void quantize_block(const float* x, int8_t* q, float* scale, float* xsum) {
+  __m256 v[4];
+  const float d = block_amax(x, v) / 127.0f;
   const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
   __m256i i[4];
   for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even

@@ -1,13 +1,14 @@
-"""Decode-only steps through the C++ layer stack (``kernels_cupy/cpu/decode_stack.cpp``).
+"""Steps through the C++ layer stack (``kernels_cupy/cpu/decode_stack.cpp``).
 
 The module path calls ~12 modules and kernels per decoder layer; for a single stream of SmolLM2 that
 dispatch (~4 ms a step) was a third of the step. The stack runs the same kernels in the same order from
 C++ and returns what the last layer's MLP gave, so the model's final norm and head run as before.
 It runs a step only where it computes what the module path would (anything else takes the module path):
-decode rows and short chunks over a cached context (speculative verify steps, whose rows the CPU backend runs
-as decode rows too), fp32 activations, fp32/bf16/int8 KV caches, the CPU attention kernel,
-fewer rows than the dense-prefill threshold (past it a block linear switches to fp32 GEMM), and projections
-that are block linears or fp32 ``nn.Linear``.
+every query row attends as a decode row, as the CPU backend runs every row it can (decodes, and prefill or
+speculative verify chunks of any length, over a cached prefix or not: ``kernels_cupy.cpu.backend.step_rows``),
+fp32 activations, fp32/bf16/int8 KV caches, the CPU attention kernel, and projections that are block linears
+or fixed-order fp32 linears (``DenseLinear``): the same kernels the module path calls, so both give the same bits
+for any number of rows.
 """
 
 from __future__ import annotations
@@ -17,21 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_cupy.cpu.backend import KERNEL_CACHE_DTYPES, SHORT_CHUNK_ROWS, CpuAttentionBackend, chunk_as_decode_rows
+from kernels_cupy.cpu.backend import KERNEL_CACHE_DTYPES, CpuAttentionBackend, step_rows
 from kernels_cupy.interface import AttentionMetadata
-from workers.models import linear as linear_mod
-from workers.models.linear import BlockLinear
+from workers.models.linear import BlockLinear, DenseLinear
 
 
-def _linear_spec(m: nn.Module) -> tuple[int, list[torch.Tensor | None]] | None:
-    """(bits, [codes, d, m, mt, bias, dense]) for the C++ side, or None where it cannot run the layer."""
-    if isinstance(m, BlockLinear):
-        if m.dense is not None:  # no kernel: the reference's fp32 weights
-            return 0, [None, None, None, None, m.bias, m.dense]
-        return m.bits, [m.codes, m.d, m.m, m.mt, m.bias, None]
-    if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+def _linear_spec(m: nn.Module) -> tuple[int, int, list[torch.Tensor | None]] | None:
+    """(bits, act_bits, [codes, d, m, mt, bias, dense]) for the C++ side, or None where it cannot run the layer
+    as the module path does (a BlockLinear without its kernel, a plain nn.Linear: torch's BLAS, whose
+    arithmetic the stack does not reproduce)."""
+    if isinstance(m, BlockLinear) and m.dense is None:
+        return m.bits, m.act_bits, [m.codes, m.d, m.m, m.mt, m.bias, None]
+    if isinstance(m, DenseLinear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
         bias = None if m.bias is None else m.bias.detach()
-        return 0, [None, None, None, None, bias, m.weight.detach()]
+        return 0, 16, [None, None, None, None, bias, m.weight.detach()]
     return None
 
 
@@ -48,6 +48,7 @@ class DecodeStack:
     def __init__(self, kernel: Any, layers: nn.ModuleList, hq: int, hkv: int, head_dim: int, eps: float) -> None:
         tensors: list[torch.Tensor | None] = []
         bits: list[int] = []
+        act_bits: list[int] = []
         for layer in layers:
             norms, projs = _parts(layer)
             tensors += [w.detach() for w in norms]
@@ -56,8 +57,9 @@ class DecodeStack:
                 if spec is None:
                     raise ValueError(f"no decode-stack path for {type(proj).__name__}")
                 bits.append(spec[0])
-                tensors += spec[1]
-        self._stack = kernel.Stack(tensors, bits, hq, hkv, head_dim, eps)
+                act_bits.append(spec[1])
+                tensors += spec[2]
+        self._stack = kernel.Stack(tensors, bits, act_bits, hq, hkv, head_dim, eps)
         self.scale = head_dim ** -0.5
 
     @staticmethod
@@ -77,34 +79,24 @@ class DecodeStack:
     @staticmethod
     def runs(x: torch.Tensor, meta: AttentionMetadata, backend: Any,
              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether this step is one the stack computes exactly as the module path would: every sequence a
-        decode or a short chunk over a cached context (a speculative verify step: the CPU backend runs its
-        rows as decode rows too), fp32 activations, a KV cache the kernels write and read (fp32, bf16, int8), fewer
-        rows than the dense-prefill threshold."""
-        t = x.shape[0]
-        dense_rows = linear_mod.DENSE_MIN_ROWS
+        """Whether this step is one the stack computes exactly as the module path would: the CPU backend, which
+        runs every query row as a decode row (decodes, prefill and verify chunks of any length, cached prefix or
+        not), fp32 activations, a KV cache the kernels write and read (fp32, bf16, int8)."""
         if not (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
-                and 0 < t and (dense_rows <= 0 or t < dense_rows)):
+                and x.shape[0] > 0):
             return False
-        for i in range(meta.num_decodes, meta.num_seqs):  # a chunk with nothing cached runs SDPA instead
-            if not meta.query_lens_cpu[i] <= SHORT_CHUNK_ROWS or meta.query_lens_cpu[i] >= meta.seq_lens_cpu[i]:
-                return False
         return all(k.dtype in KERNEL_CACHE_DTYPES and v.dtype == k.dtype for k, v in kv_caches)
 
     @staticmethod
-    def row_tables(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query row as a decode row: its sequence's block table (T, MAXB) and the context it sees (T,),
-        as the CPU backend runs a short chunk (chunk_as_decode_rows)."""
-        if meta.num_decodes == meta.num_seqs:
-            return meta.block_tables[:t], meta.seq_lens[:t]
-        rows = [chunk_as_decode_rows(meta.block_tables[i], s, q)
-                for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu))]
-        return torch.cat([tables for tables, _ in rows]), torch.cat([lens for _, lens in rows])
+    def row_tables(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query row as a decode row: its sequence's block table (T, nb) and the context it sees (T,),
+        exactly the rows the CPU backend attends (step_rows)."""
+        return step_rows(meta, block_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H)."""
-        block_tables, seq_lens = self.row_tables(meta, x.shape[0])
+        block_tables, seq_lens = self.row_tables(meta, kv_caches[0][0].shape[1])
         out: torch.Tensor = self._stack.forward(
             x, [k for k, _ in kv_caches], [v for _, v in kv_caches], block_tables, seq_lens,
             meta.slot_mapping, positions, tables[0], tables[1], self.scale)

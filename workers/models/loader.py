@@ -120,13 +120,17 @@ def apply_quantization(model: LlamaForCausalLM, cfg: ModelConfig, gguf: Path | N
     whose own blocks are kept where they map."""
     from kernels_cupy.cpu.qgemm import load_qgemm
     from workers.models.gguf_blocks import gguf_linear_blocks, layer_bits
-    from workers.models.linear import quantize_linears, resolve_mode
+    from workers.models.linear import dense_linears, quantize_linears, resolve_mode
 
-    if cfg.quantization == "none" or (cfg.quantization == "auto" and (cfg.dtype != "float32" or cfg.device != "cpu")):
+    if cfg.dtype != "float32" or cfg.device != "cpu":
+        if cfg.quantization not in ("none", "auto"):  # ModelConfig refuses this; kept for direct callers
+            raise ValueError(f"quantization {cfg.quantization} runs fp32 on the CPU only")
         return "none"
     kernel = load_qgemm()
-    if resolve_mode(cfg.quantization, kernel, None) == "none":
-        return "none"  # auto on a CPU without a SIMD path: the GGUF need not even be read
+    if cfg.quantization == "none" or resolve_mode(cfg.quantization, kernel, None) == "none":
+        # fp32 weights through the fixed-order kernel (auto on a CPU without a SIMD path: the GGUF need not be read)
+        dense_linears(model, kernel)
+        return "none"
     blocks = gguf_linear_blocks(gguf, model.cfg) if gguf is not None else {}
     mode = resolve_mode(cfg.quantization, kernel, layer_bits(blocks))
     quantize_linears(model, mode, blocks, kernel)

@@ -1,0 +1,145 @@
+"""The A16 block-quantized linear (``qlinear(..., act_bits=16)``, ``kernels_cupy/cpu/qgemm_a16.h``): int16
+activations per block of 32 against the exact weight blocks.
+
+- against its own arithmetic in fp64 (activations fake-quantized to int16 as the kernel does): 1e-5 of the
+  output scale, the fp32 accumulation being the only difference;
+- bit-identical (torch.equal) whatever shares a row's call: other rows (M), the row tiling, the thread count
+  and the thread split of N, and whatever the instruction-set path: the numerics are one fixed order;
+- far more accurate than the A8 path against fp32 of the same weights.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from kernels_cupy.cpu.qgemm import load_qgemm
+from tests.cpu_support import built, results_per_isa
+from workers.models.quant import BlockWeight, dequantize, quantize
+
+QK = 32
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    return built(load_qgemm(), "the quantized GEMM kernel")
+
+
+def fake_quantize_int16(x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, K) fp64
+    """The kernel's activations: per block of 32, scale amax / 32767 (fp32), codes rounded half to even."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // QK, QK)
+    sa = b.abs().amax(-1, keepdim=True) / 32767.0
+    inv = torch.where(sa > 0, 1.0 / sa, torch.zeros_like(sa))
+    codes = torch.round(b * inv).clamp(-32767, 32767)
+    return (codes.double() * sa.double()).reshape(m, k)
+
+
+def _exact(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:  # (M, N) fp64
+    out = fake_quantize_int16(x) @ dequantize(w).double().T
+    return out + (0 if bias is None else bias.double())
+
+
+def _a16(kernel, x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return kernel.qlinear(x, w.codes, w.d, w.m, bias, w.bits, None, 16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 32), (3, 17, 96), (4, 64, 576), (9, 33, 32 * 131), (37, 8, 160),
+                                   (300, 13, 96)])
+def test_a16_matches_its_exact_arithmetic(kernel, bits: int, m: int, n: int, k: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(m * 1000 + n + k + bits)
+    w = quantize(torch.randn(n, k, generator=g) * 0.1, bits)
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0.0  # an all-zero block: scale 0 must not divide by zero
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        ref = _exact(x, w, b)
+        got = _a16(kernel, x, w, b)
+        assert (got.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a16_row_is_independent_of_its_call(kernel, bits: int) -> None:  # type: ignore[no-untyped-def]
+    """A row's output does not depend on the other rows, the row tiling, the thread count or the split of N."""
+    g = torch.Generator().manual_seed(bits)
+    n, k = 21, 32 * 19  # N not a multiple of 8, an odd block count and a partial last group
+    w = quantize(torch.randn(n, k, generator=g) * 0.1, bits)
+    x = torch.randn(300, k, generator=g) * torch.rand(300, 1, generator=g) * 4
+    bias = torch.randn(n, generator=g)
+    whole = _a16(kernel, x, w, bias)
+    for r in (0, 5, 17, 299):
+        assert torch.equal(_a16(kernel, x[r:r + 1], w, bias), whole[r:r + 1]), r
+    assert torch.equal(_a16(kernel, x[5:18], w, bias), whole[5:18])  # M = 13: other micro-tiles
+    assert torch.equal(_a16(kernel, x[:37], w, bias), whole[:37])
+
+    def first(cols: int) -> BlockWeight:
+        return BlockWeight(bits, w.codes[:cols].contiguous(), w.d[:cols], None if w.m is None else w.m[:cols])
+
+    for cols in (13, 5, 1):  # the threads split N elsewhere
+        assert torch.equal(_a16(kernel, x, first(cols), bias[:cols]), whole[:, :cols]), cols
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_a16(kernel, x, w, bias), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a16_error_is_far_below_a8(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Against fp32 of the same weights, on activations shaped like a model's (a few outlier channels)."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 576, 256
+    x = torch.randn(64, k, generator=g)
+    x[:, torch.randint(0, k, (6,), generator=g)] *= 20  # outlier channels: what makes int8 blocks coarse
+    for bits in (4, 8):
+        w = quantize(torch.randn(n, k, generator=g) * 0.05, bits)
+        ref = x.double() @ dequantize(w).double().T
+        err16 = (_a16(kernel, x, w).double() - ref).abs().max().item()
+        err8 = (kernel.qlinear(x, w.codes, w.d, w.m, None, bits).double() - ref).abs().max().item()
+        assert err16 * 50 <= err8, (bits, err16, err8)
+
+
+def test_act_bits_is_checked(kernel) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(torch.randn(8, 64), 8)
+    with pytest.raises(RuntimeError, match="act_bits"):
+        kernel.qlinear(torch.randn(2, 64), w.codes, w.d, None, None, 8, None, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_no_rows_give_an_empty_result(kernel, bits: int, act_bits: int) -> None:  # type: ignore[no-untyped-def]
+    """A step whose requests are all mid-prompt samples no row: the head runs on (0, K) (this crashed the A16
+    path's row tiling once)."""
+    w = quantize(torch.randn(40, 160), bits)
+    out = kernel.qlinear(torch.empty(0, 160), w.codes, w.d, w.m, None, bits, None, act_bits)
+    assert out.shape == (0, 40)
+
+
+_ISA_CHECK = """
+import sys, torch
+from kernels_cupy.cpu.qgemm import load_qgemm
+from workers.models.quant import quantize
+mod = load_qgemm()
+g = torch.Generator().manual_seed(0)
+outs = []
+for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131)):
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
+    x[0, :32] = 0.0
+    x[-1, 32:64] *= 1e-39  # a block of subnormals: its scale underflows, 1 / scale overflows
+    bias = torch.randn(n, generator=g)
+    for bits in (4, 8):
+        w = quantize(torch.randn(n, k, generator=g) * 0.1, bits)
+        outs += [mod.qlinear(x, w.codes, w.d, w.m, b, bits, None, 16).flatten() for b in (None, bias)]
+torch.save(torch.cat(outs), sys.argv[1])
+print(mod.isa())
+"""
+
+
+def test_every_isa_path_is_bit_identical(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Scalar, AVX2 and (where the CPU has it) VNNI give the same bits; one process each, as the path is chosen
+    once per process."""
+    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "best"), tmp_path)
+    for isa, got in results.items():
+        assert torch.equal(got, results["scalar"]), isa
