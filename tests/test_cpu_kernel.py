@@ -19,6 +19,14 @@ def backend():  # type: ignore[no-untyped-def]
     return CpuAttentionBackend(built(load(), "the CPU kernel"))
 
 
+def _attend(backend, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata,  # type: ignore[no-untyped-def]
+            scale: float) -> torch.Tensor:
+    """The backend's attention over K/V already in the caches (what a layer calls after write_kv)."""
+    none = q.new_empty(0)  # the step's fresh K/V rows: read from the cache, never from these
+    out: torch.Tensor = backend.forward(q, none, none, kc, vc, meta, scale)
+    return out
+
+
 def _meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
     maxb = max(len(t) for t in tables)
     n = len(lens)
@@ -49,7 +57,7 @@ def test_decode_matches_reference(backend, hq: int, hkv: int, d: int, bs: int,  
     q = torch.randn(len(lens), hq, d, generator=g)
     meta = _meta(tables, lens)
     ref = TorchAttentionBackend()._decode(q, kc, vc, meta, d ** -0.5)
-    got = backend._decode(q, kc, vc, meta, d ** -0.5)
+    got = _attend(backend, q, kc, vc, meta, d ** -0.5)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -57,7 +65,7 @@ def test_bf16_queries_fall_back_to_reference(backend) -> None:  # type: ignore[n
     kc = torch.randn(4, 4, 1, 8, dtype=torch.bfloat16)
     q = torch.randn(1, 2, 8, dtype=torch.bfloat16)
     meta = _meta([[2, 1]], [6])
-    torch.testing.assert_close(backend._decode(q, kc, kc, meta, 0.3),
+    torch.testing.assert_close(_attend(backend, q, kc, kc, meta, 0.3),
                                TorchAttentionBackend()._decode(q, kc, kc, meta, 0.3))
 
 
@@ -91,7 +99,7 @@ def test_long_contexts_are_chunked_and_merged_exactly(backend, hq: int, hkv: int
         q = torch.randn(len(lens), hq, d, generator=g)
         meta = _meta(tables, lens)
         ref = TorchAttentionBackend()._decode(q, kc, vc, meta, d ** -0.5)
-        got = backend._decode(q, kc, vc, meta, d ** -0.5)
+        got = _attend(backend, q, kc, vc, meta, d ** -0.5)
     finally:
         torch.set_num_threads(threads)
         backend._mod.set_kv_isa("auto")
@@ -111,7 +119,7 @@ def test_chunks_of_any_length_match_the_reference(backend, qlen: int, cached: in
     table = torch.randperm(nb, generator=g)[: -(-seq_len // bs)].to(torch.int32)
     q = torch.randn(qlen, hq, d, generator=g)
     ref = TorchAttentionBackend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
-    got = backend._prefill(q, kc, vc, table, seq_len, d ** -0.5)
+    got = _attend(backend, q, kc, vc, _step(table.tolist(), bs, cached, seq_len), d ** -0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)  # K of std 2: sharper softmaxes, larger rounding
 
 
@@ -144,7 +152,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(backend, kv_dtype: to
         for L in (1, 100, 128, 300, 1000):
             q = torch.randn(1, hq, d, generator=g)
             torch.set_num_threads(1)
-            alone = backend._decode(q, kc, vc, _meta([table], [L]), 0.125)
+            alone = _attend(backend, q, kc, vc, _meta([table], [L]), 0.125)
             for n_other in (1, 3, 8, 64):
                 tables, lens = _others(n_other, nb, bs, g)
                 at = int(torch.randint(0, n_other + 1, (1,), generator=g))
@@ -154,14 +162,14 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(backend, kv_dtype: to
                 qs[at] = q[0]
                 for t in (1, 2, 4):
                     torch.set_num_threads(t)
-                    got = backend._decode(qs, kc, vc, _meta(tables, lens), 0.125)
+                    got = _attend(backend, qs, kc, vc, _meta(tables, lens), 0.125)
                     assert torch.equal(got[at], alone[0]), (L, n_other, t)
             own = [x for x in range(L - 5, L + 4) if x >= 1]  # its prefill chunk: the rows around it
             qs = torch.randn(len(own), hq, d, generator=g)
             qs[own.index(L)] = q[0]
             for t in (1, 2):
                 torch.set_num_threads(t)
-                got = backend._decode(qs, kc, vc, _meta([table] * len(own), own), 0.125)
+                got = _attend(backend, qs, kc, vc, _meta([table] * len(own), own), 0.125)
                 assert torch.equal(got[own.index(L)], alone[0]), (L, "own chunk", t)
     finally:
         torch.set_num_threads(threads)

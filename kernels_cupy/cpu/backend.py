@@ -86,27 +86,3 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables, lens = self.step_rows(meta, k_cache.shape[1])
         out: torch.Tensor = self._mod.paged_decode(query.contiguous(), k_cache, v_cache, tables, lens, scale)
         return out
-
-    def _decode(
-        self,
-        q: torch.Tensor,  # (nd, Hq, D)
-        k_cache: torch.Tensor,  # (NB, BS, Hkv, D), or (NB, BS, Hkv, D + 4) int8 (kernels_cupy.kv_quant)
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # (nd, Hq, D)
-        if not _kernel_reads(q, k_cache):
-            return super()._decode(q, k_cache, v_cache, meta, scale)
-        nd = q.shape[0]
-        out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache,
-                                                   meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-        return out
-
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,  # type: ignore[override]
-                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-        """q (qlen, Hq, D), block_table (max_blocks,) -> (qlen, Hq, D): the reference's contract, any qlen."""
-        if not _kernel_reads(q, k_cache):
-            return TorchAttentionBackend._prefill(q, k_cache, v_cache, block_table, seq_len, scale)
-        tables, lens = chunk_as_decode_rows(block_table, seq_len, q.shape[0])
-        out: torch.Tensor = self._mod.paged_decode(q.contiguous(), k_cache, v_cache, tables.contiguous(), lens, scale)
-        return out

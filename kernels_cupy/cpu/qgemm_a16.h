@@ -130,14 +130,6 @@ static inline __m256i reduce_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p
   return _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The fixed tree of numerics 3: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
-static inline float hsum16(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // a0+a4, a1+a5, a2+a6, a3+a7
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // --- Few rows (decode): each weight pair is widened in registers and used by the R rows at once. ---
 
 // What one weight column's group of 8 blocks needs: where each of its pairs' bytes are, d and (Q4) m.
@@ -178,7 +170,7 @@ static inline void group16(const Group16& gw, const int16_t* const* xr, const fl
 
 // The fixed end of an output (numerics 3).
 static inline void store16(const QArgs16& a, int64_t m, int64_t n, __m256 acc) {
-  float v = hsum16(acc);
+  float v = hsum(acc);
   if (a.bias) v += a.bias[n];
   a.out[m * a.N + n] = v;
 }

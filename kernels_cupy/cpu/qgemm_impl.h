@@ -100,8 +100,9 @@ static inline __m256i expand_q4(const uint8_t* p) {
   return _mm256_set_m128i(hi, lo);
 }
 
+// The fixed tree ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): also the A16 kernel's (qgemm_a16.h, numerics 3).
 static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // a0+a4, a1+a5, a2+a6, a3+a7
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);

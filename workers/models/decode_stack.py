@@ -87,16 +87,11 @@ class DecodeStack:
             return False
         return all(k.dtype in KERNEL_CACHE_DTYPES and v.dtype == k.dtype for k, v in kv_caches)
 
-    @staticmethod
-    def row_tables(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query row as a decode row: its sequence's block table (T, nb) and the context it sees (T,),
-        exactly the rows the CPU backend attends (step_rows)."""
-        return step_rows(meta, block_size)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H)."""
-        block_tables, seq_lens = self.row_tables(meta, kv_caches[0][0].shape[1])
+        # Each query row as a decode row, exactly the rows the CPU backend attends: (T, nb) tables, (T,) lengths.
+        block_tables, seq_lens = step_rows(meta, kv_caches[0][0].shape[1])
         out: torch.Tensor = self._stack.forward(
             x, [k for k, _ in kv_caches], [v for _, v in kv_caches], block_tables, seq_lens,
             meta.slot_mapping, positions, tables[0], tables[1], self.scale)

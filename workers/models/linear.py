@@ -92,8 +92,8 @@ class BlockLinear(nn.Module):
         self.register_buffer("m", None if w.m is None else w.m.half())
         # (in/32, out) fp16: the A8 kernel adds the min terms of eight output columns per load from these
         # (qgemm_impl.h); the A16 kernel reads the minimums of eight blocks of a row from m instead.
-        keep_mt = w.m is not None and kernel is not None and act_bits == 8
-        self.register_buffer("mt", w.m.half().t().contiguous() if keep_mt and w.m is not None else None)
+        a8_mins = kernel is not None and act_bits == 8
+        self.register_buffer("mt", w.m.half().t().contiguous() if w.m is not None and a8_mins else None)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._kernel: Any = kernel
         # Without the kernel: the reference, fp32 weights de-quantized once.
@@ -146,8 +146,8 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def dense_linears(model: nn.Module, kernel: Any | None) -> int:
     """Every fp32 CPU ``nn.Linear`` left in the model -> :class:`DenseLinear` (the fixed-order kernel), in
-    place; returns how many. Without the kernel (or its ``flinear``) nothing changes: torch's BLAS runs."""
-    if kernel is None or not hasattr(kernel, "flinear"):
+    place; returns how many. Without the kernel nothing changes: torch's BLAS runs."""
+    if kernel is None:
         return 0
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
              and m.weight.device.type == "cpu"]

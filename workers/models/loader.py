@@ -122,9 +122,7 @@ def apply_quantization(model: LlamaForCausalLM, cfg: ModelConfig, gguf: Path | N
     from workers.models.gguf_blocks import gguf_linear_blocks, layer_bits
     from workers.models.linear import dense_linears, quantize_linears, resolve_mode
 
-    if cfg.dtype != "float32" or cfg.device != "cpu":
-        if cfg.quantization not in ("none", "auto"):  # ModelConfig refuses this; kept for direct callers
-            raise ValueError(f"quantization {cfg.quantization} runs fp32 on the CPU only")
+    if cfg.dtype != "float32" or cfg.device != "cpu":  # ModelConfig admits only none and auto here
         return "none"
     kernel = load_qgemm()
     if cfg.quantization == "none" or resolve_mode(cfg.quantization, kernel, None) == "none":
