@@ -47,7 +47,7 @@ def _a16(kernel, x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = No
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 32), (3, 17, 96), (4, 64, 576), (9, 33, 32 * 131), (37, 8, 160),
-                                   (300, 13, 96)])
+                                   (300, 13, 96), (5, 11, 32 * 9), (6, 10, 32 * 10), (4, 7, 32 * 13)])
 def test_a16_matches_its_exact_arithmetic(kernel, bits: int, m: int, n: int, k: int) -> None:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(m * 1000 + n + k + bits)
     w = quantize(torch.randn(n, k, generator=g) * 0.1, bits)
@@ -124,7 +124,8 @@ from workers.models.quant import quantize
 mod = load_qgemm()
 g = torch.Generator().manual_seed(0)
 outs = []
-for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131)):
+# (K's blocks: 3; 19 and 131 = groups of 8 + a 3-block span group; 9, 10 = a group + 1 or 2; 13 = a padded group)
+for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131), (5, 11, 32 * 9), (6, 10, 32 * 10), (4, 7, 32 * 13)):
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
     x[0, :32] = 0.0
     x[-1, 32:64] *= 1e-39  # a block of subnormals: its scale underflows, 1 / scale overflows

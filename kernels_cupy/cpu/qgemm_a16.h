@@ -22,7 +22,7 @@
 //     then s = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)); out = s + bias[n] if bias.
 //
 // Two layouts of the int16 activations on the SIMD paths (quantize_rows16); any gives the same exact isum, so the
-// results do not depend on which runs. M >= kLaneRows: the lane layout (below, before micro_lanes). M < kLaneRows,
+// results do not depend on which runs. M >= kLaneRows: the lane layout (qgemm_a16_lanes.h). M < kLaneRows,
 // the pair layout: per row, blocks in pairs (2p, 2p+1),
 // each pair 4 vectors of 16 int16, vector v's low 8 words from block 2p and high 8 words from block 2p+1 (an odd
 // last block's partner is zeros). Word w of vector v holds element e(v, w) of its block, matching how a pair of
@@ -73,11 +73,6 @@ static inline void place_block16(const int16_t* c, int L, int bits, int16_t* pai
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + (2 + h) * 16 + L * 8), _mm_unpackhi_epi64(a, b));
   }
 }
-
-// rows x K floats -> q (rows, qs) int16 in the pair layout (lanes false) or the lane layout (lanes true) for
-// `bits`, sa and xsum (rows, ss), zero-padded.
-static void quantize_rows16(const float* x, int64_t rows, int64_t K, int bits, bool lanes, int16_t* q, int64_t qs,
-                            float* sa, float* xsum, int64_t ss);
 
 // A pair of Q4 blocks (32 bytes, 16 each) -> the 4 int16 vectors of the pair layout.
 static inline void widen_q4(const uint8_t* p, __m256i w[4]) {
@@ -224,241 +219,33 @@ static inline void micro16(const QArgs16& a, int64_t m0, int64_t n) {
   for (int r = 0; r < R; ++r) store16(a, m0 + r, n, acc[r]);
 }
 
-// --- Many rows (prefill, M >= kLaneRows): the lane layout, one block a 32-bit lane, so a group needs no reduction.
-// Activations (quantize_rows16 with lanes): per row and group g of 8 blocks, 16 steps of 16 int16; step s,
-// 32-bit lane j, word h holds element e(s, h) of block 8g + j (zeros for blocks past nb):
-//   Q4: s = 4q + t, e = 4q + 2h + (0, 16, 1, 17)[t]      Q8: s = 2q + t, e = 4q + 2h + t
-// which is how the weight bytes of 8 blocks widen after one 32-bit transpose (widen_group_q4 / _q8). A row's
-// group is then 16 vpmaddwd summed straight into the 8 block sums; a column's group is widened once into an
-// L1 buffer and read by every row of the tile.
-
-static constexpr int64_t kGroup16 = 256;  // int16 codes a group of 8 blocks (16 steps of 16)
-
-// Element e(s, h) of the lane layout (above).
-static inline int lane_elem(int bits, int s, int h) {
-  if (bits == 8) return 4 * (s / 2) + 2 * h + s % 2;
-  static const int off[4] = {0, 16, 1, 17};
-  return 4 * (s / 4) + 2 * h + off[s % 4];
-}
-
-// The 8 lanes of a, which hold blocks (0, 2, 4, 6, 1, 3, 5, 7), in block order.
-static inline __m256i lanes_in_order(__m256i a) {
-  return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// An empty asm on an accumulator: integer adds are associative, and GCC would otherwise rebalance a chain of
-// madd-then-add into a tree with every product live at once (spilled to the stack: 2x slower).
-static inline void keep_chain(__m256i& v) { __asm__("" : "+x"(v)); }
-
-// 8 Q4 blocks (128 bytes) -> 16 steps of the lane layout at dst (256 int16).
-static inline void widen_group_q4(const uint8_t* w, int16_t* dst) {
-  __m256i y[4];
-  for (int k = 0; k < 4; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k));
-  // 32-bit transpose: d[q] lane j = bytes 4q..4q+3 of block j.
-  const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), b = _mm256_unpackhi_epi32(y[0], y[1]);
-  const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
-  const __m256i d[4] = {lanes_in_order(_mm256_unpacklo_epi64(a, c)), lanes_in_order(_mm256_unpackhi_epi64(a, c)),
-                        lanes_in_order(_mm256_unpacklo_epi64(b, e)), lanes_in_order(_mm256_unpackhi_epi64(b, e))};
-  const __m256i nib = _mm256_set1_epi16(0x000F);
-  for (int q = 0; q < 4; ++q) {
-    __m256i* o = reinterpret_cast<__m256i*>(dst + 4 * q * 16);
-    _mm256_store_si256(o, _mm256_and_si256(d[q], nib));                           // lo(4q), lo(4q+2)
-    _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(d[q], 4), nib));  // hi(4q), hi(4q+2)
-    _mm256_store_si256(o + 2, _mm256_and_si256(_mm256_srli_epi16(d[q], 8), nib));  // lo(4q+1), lo(4q+3)
-    _mm256_store_si256(o + 3, _mm256_srli_epi16(d[q], 12));                        // hi(4q+1), hi(4q+3)
-  }
-}
-
-// 8 Q8 blocks (256 bytes) -> 16 steps of the lane layout at dst (256 int16).
-static inline void widen_group_q8(const uint8_t* w, int16_t* dst) {
-  __m256i y[8], t[8], u[8];
-  for (int k = 0; k < 8; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k));
-  for (int k = 0; k < 8; k += 2) {  // [b d0, b' d0, b d1, b' d1 | d4, d5] and [d2, d3 | d6, d7]
-    t[k] = _mm256_unpacklo_epi32(y[k], y[k + 1]);
-    t[k + 1] = _mm256_unpackhi_epi32(y[k], y[k + 1]);
-  }
-  for (int k = 0; k < 8; k += 4) {  // four blocks' dwords (0 | 4), (1 | 5), (2 | 6), (3 | 7)
-    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
-    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
-    u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
-    u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m256i lo = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);  // dword q of blocks 0..7
-    const __m256i hi = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);  // dword q + 4
-    __m256i* o = reinterpret_cast<__m256i*>(dst);
-    _mm256_store_si256(o + 2 * q, _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8));  // bytes 4q, 4q+2
-    _mm256_store_si256(o + 2 * q + 1, _mm256_srai_epi16(lo, 8));                  // bytes 4q+1, 4q+3
-    _mm256_store_si256(o + 2 * (q + 4), _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8));
-    _mm256_store_si256(o + 2 * (q + 4) + 1, _mm256_srai_epi16(hi, 8));
-  }
-}
-
-// One column, widened: w (ceil(nb / 8), 256) int16 in the lane layout (zeros past nb), d and m (ceil(nb / 8) * 8)
-// fp32, zero past nb.
-struct Col16 {
-  int16_t* w;
-  float* d;
-  float* m;
-};
-
-template <bool Q4>
-static void widen_column(const QArgs16& a, int64_t n, const Col16& c) {
-  const int64_t nb = a.K / QK, ng = nb / 8, rem = nb % 8, gb = Q4 ? 4 * QK : 8 * QK;  // gb: bytes a group
-  const uint8_t* wn = a.wq + n * (Q4 ? a.K / 2 : a.K);
-  for (int64_t g = 0; g < ng; ++g) {
-    if constexpr (Q4) widen_group_q4(wn + g * gb, c.w + g * kGroup16);
-    else widen_group_q8(wn + g * gb, c.w + g * kGroup16);
-  }
-  if (rem) {  // the row's bytes end with its last block: a zero-padded copy
-    alignas(32) uint8_t wt[8 * QK] = {};
-    std::memcpy(wt, wn + ng * gb, rem * gb / 8);
-    if constexpr (Q4) widen_group_q4(wt, c.w + ng * kGroup16);
-    else widen_group_q8(wt, c.w + ng * kGroup16);
-  }
-  const int64_t ss = (nb + 7) / 8 * 8;
-  for (int64_t b = 0; b < ss; ++b) {
-    c.d[b] = b < nb ? _cvtsh_ss(a.wd[n * nb + b]) : 0.f;
-    if constexpr (Q4) c.m[b] = b < nb ? _cvtsh_ss(a.wm[n * nb + b]) : 0.f;
-  }
-}
-
-// R rows against C widened columns, every group: each step's weights are loaded once for the R rows and its
-// activations once for the C columns (loads, not multiplies, bound this loop).
-template <int R, int C, bool Q4>
-static inline void micro_lanes(const QArgs16& a, const Col16* c, int64_t m0, int64_t n0) {
-  const int64_t ngc = (a.K / QK + 7) / 8;
-  const int16_t* xr[R];
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r) {
-    xr[r] = a.qa + (m0 + r) * a.qs;
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < ngc; ++g) {
-    __m256i s[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) s[r][j] = _mm256_setzero_si256();
-#pragma GCC unroll 16  // fully: s must stay in registers
-    for (int st = 0; st < 16; ++st) {
-      __m256i w[C];
-      for (int j = 0; j < C; ++j)
-        w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c[j].w + g * kGroup16 + st * 16));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + g * kGroup16 + st * 16));
-#pragma GCC unroll 4
-        for (int j = 0; j < C; ++j) {
-#if QG_VNNI
-          s[r][j] = _mm256_dpwssd_epi32(s[r][j], w[j], x);
-#else
-          s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(w[j], x));
-          keep_chain(s[r][j]);
-#endif
-        }
-      }
-    }
-    for (int j = 0; j < C; ++j) {
-      const __m256 d8 = _mm256_load_ps(c[j].d + 8 * g);
-      for (int r = 0; r < R; ++r) {
-        const float* sa = a.sa + (m0 + r) * a.ss + 8 * g;
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][j]), _mm256_mul_ps(d8, _mm256_loadu_ps(sa)), acc[r][j]);
-        if constexpr (Q4)
-          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(c[j].m + 8 * g),
-                                      _mm256_loadu_ps(a.xsum + (m0 + r) * a.ss + 8 * g), acc[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) store16(a, m0 + r, n0 + j, acc[r][j]);
-}
-
-#ifndef QG_A16_ROWS
-#define QG_A16_ROWS 2
-#endif
-static constexpr int kRowsLanes = QG_A16_ROWS;  // rows a micro-tile of the lane path
-
-// Rows per L1 tile: the int16 activations of a tile (2K bytes a row) stay within ~24 KB of the 32 KB L1 while
-// every column of the thread runs over them; whole micro-tiles, at least one.
-static inline int64_t row_tile16(int64_t K) {
-  const int64_t rows = (24 * 1024 / (2 * K)) / kRowsLanes * kRowsLanes;
-  return rows < kRowsLanes ? kRowsLanes : rows;
-}
-
-#ifndef QG_A16_COLS
-#define QG_A16_COLS 4
-#endif
-static constexpr int kColsLanes = QG_A16_COLS;  // columns a micro-tile of the lane path
-
-// Rows [m0, m1) of the kColsLanes (or, at the end of a thread's columns, 1) widened columns c from n.
-template <int C, bool Q4>
-static inline void rows_lanes(const QArgs16& a, const Col16* c, int64_t m0, int64_t m1, int64_t n) {
-  int64_t m = m0;
-  for (; m + kRowsLanes <= m1; m += kRowsLanes) micro_lanes<kRowsLanes, C, Q4>(a, c, m, n);
-  for (; m < m1; ++m) micro_lanes<1, C, Q4>(a, c, m, n);
+// Output columns [n0, n1) of a call with R = M < kLaneRows rows (one loop per R: each is compiled for its R).
+template <int R, bool Q4>
+static void pairs_cols(const QArgs16& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) micro16<R, Q4>(a, 0, n);
 }
 
 template <bool Q4>
-static void gemm16_cols(const QArgs16& a, int64_t n0, int64_t n1) {
-  if (a.M < kLaneRows) {  // decode: the pair layout, weights widened in registers (no buffer round trip)
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (a.M) {
-        case 3: micro16<3, Q4>(a, 0, n); break;
-        case 2: micro16<2, Q4>(a, 0, n); break;
-        default: micro16<1, Q4>(a, 0, n); break;
-      }
-    }
-    return;
+static void gemm16_pairs(const QArgs16& a, int64_t n0, int64_t n1) {
+  switch (a.M) {
+    case 3: pairs_cols<3, Q4>(a, n0, n1); break;
+    case 2: pairs_cols<2, Q4>(a, n0, n1); break;
+    default: pairs_cols<1, Q4>(a, n0, n1); break;
   }
-  const int64_t ngc = (a.K / QK + 7) / 8;
-  // Per column (kColsLanes of them): (ngc, 256) int16 codes, then d and m (ngc, 8) fp32; 512 + 64 bytes a group.
-  const int64_t col_bytes = ngc * (kGroup16 * 2 + 16 * 4);
-  void* buf = std::aligned_alloc(32, static_cast<size_t>(kColsLanes * col_bytes));
-  Col16 c[kColsLanes];
-  for (int j = 0; j < kColsLanes; ++j) {
-    int16_t* wb = reinterpret_cast<int16_t*>(static_cast<char*>(buf) + j * col_bytes);
-    float* fb = reinterpret_cast<float*>(wb + ngc * kGroup16);
-    c[j] = Col16{wb, fb, fb + ngc * 8};
-  }
-  const int64_t mt = row_tile16(a.K);
-  for (int64_t m0 = 0; m0 < a.M; m0 += mt) {
-    const int64_t m1 = m0 + mt < a.M ? m0 + mt : a.M;
-    int64_t n = n0;
-    for (; n + kColsLanes <= n1; n += kColsLanes) {
-      for (int j = 0; j < kColsLanes; ++j) widen_column<Q4>(a, n + j, c[j]);
-      rows_lanes<kColsLanes, Q4>(a, c, m0, m1, n);
-    }
-    for (; n < n1; ++n) {
-      widen_column<Q4>(a, n, c[0]);
-      rows_lanes<1, Q4>(a, c, m0, m1, n);
-    }
-  }
-  std::free(buf);
 }
 
-static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
-  if (a.bits == 4) gemm16_cols<true>(a, n0, n1);
-  else gemm16_cols<false>(a, n0, n1);
-}
-
-static void quantize_rows16(const float* x, int64_t rows, int64_t K, int bits, bool lanes, int16_t* q, int64_t qs,
-                            float* sa, float* xsum, int64_t ss) {
+// rows x K floats -> q (rows, qs) int16 in the pair layout for `bits`, sa and xsum (rows, ss), zero-padded.
+static void quantize_rows16_pairs(const float* x, int64_t rows, int64_t K, int bits, int16_t* q, int64_t qs,
+                                  float* sa, float* xsum, int64_t ss) {
   const int64_t nb = K / QK;
   alignas(32) int16_t c[QK];
-  int elem[16][2];  // the lane layout's e(s, h)
-  for (int st = 0; st < 16; ++st) elem[st][0] = lane_elem(bits, st, 0), elem[st][1] = lane_elem(bits, st, 1);
   for (int64_t r = 0; r < rows; ++r) {
     int16_t* qr = q + r * qs;
-    if (lanes) std::memset(qr, 0, qs * sizeof(int16_t));  // the last group's padding blocks
     for (int64_t b = 0; b < nb; ++b) {
       quantize_block16(x + r * K + b * QK, c, sa + r * ss + b, xsum + r * ss + b);
-      if (!lanes) {
-        place_block16(c, static_cast<int>(b % 2), bits, qr + (b / 2) * kPair16);
-        continue;
-      }
-      int16_t* g = qr + (b / 8) * kGroup16 + 2 * (b % 8);
-      for (int st = 0; st < 16; ++st) g[st * 16] = c[elem[st][0]], g[st * 16 + 1] = c[elem[st][1]];
+      place_block16(c, static_cast<int>(b % 2), bits, qr + (b / 2) * kPair16);
     }
-    if (!lanes && nb % 2) {  // the odd last block's partner: zeros, so any weight bytes against it add nothing
+    if (nb % 2) {  // the odd last block's partner: zeros, so any weight bytes against it add nothing
       std::memset(c, 0, sizeof c);
       place_block16(c, 1, bits, qr + (nb / 2) * kPair16);
     }

@@ -56,7 +56,7 @@ struct QArgs16 {
 
 // Row strides of the A16 activation buffers for K (any path and layout: whole groups of 8 blocks).
 static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
-// From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16.h), below it the pair layout.
+// From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16_lanes.h), below it the pair layout (qgemm_a16.h).
 static constexpr int64_t kLaneRows = 4;
 static inline int64_t a16_scale_stride(int64_t K) { return (K / 32 + 7) / 8 * 8; }
 
@@ -200,6 +200,7 @@ namespace avx2 {
 #define QG_VNNI 0
 #include "qgemm_impl.h"
 #include "qgemm_a16.h"
+#include "qgemm_a16_lanes.h"
 #undef QG_VNNI
 }  // namespace avx2
 #pragma GCC pop_options
@@ -210,6 +211,7 @@ namespace vnni {
 #define QG_VNNI 1
 #include "qgemm_impl.h"
 #include "qgemm_a16.h"
+#include "qgemm_a16_lanes.h"
 #undef QG_VNNI
 }  // namespace vnni
 #pragma GCC pop_options

@@ -1,0 +1,381 @@
+// The A16 kernel for many rows (M >= kLaneRows: prefill, batched decode): the lane layout. Included after
+// qgemm_a16.h (numerics there, unchanged here: every layout yields the same exact block sums isum) inside the
+// instruction-set namespaces of qgemm_core.h; no STL. Also the A16 entry points, which pick the layout by M.
+//
+// Layout (activations: quantize_rows16_lanes; weights: widen_column), one row of the call:
+// - groups g < ngl of 8 blocks: 16 steps of 16 int16; step s, 32-bit lane j, word h holds element e(s, h) of
+//   block 8g + j (zeros for blocks past nb):
+//     Q4: s = 4q + t, e = 4q + 2h + (0, 16, 1, 17)[t]      Q8: s = 2q + t, e = 4q + 2h + t
+//   which is how the weight bytes of 8 blocks widen after one 32-bit transpose (widen_group_q4 / _q8). A row's
+//   group is 16 vpmaddwd summed straight into its 8 block sums, no reduction.
+// - a tail of rem = nb % 8 in 1..4 blocks (K = 576 has 18 blocks: 2 full groups and 2 blocks) in a span group
+//   instead of a group padded to 8 blocks (which spends 16 steps on 2 blocks): span = 1, 2 or 4 (rem rounded
+//   up), each block spread over S = 8 / span lanes, 2 * span steps; step s, lane l, word h holds element
+//   (s * S + l % S) * 2 + h of tail block l / S (zeros past rem). The S lanes of a block are summed (span_sums)
+//   into lane i, so the tail ends like any group: blocks 8 * ngl + i in lanes i, d = m = sa = xsum = 0 past nb.
+//
+// Blocking: each thread widens its columns once a call, a panel at a time (kPanel16 bytes, L2-resident), then
+// sweeps every micro-tile of kRowsLanes rows (their activations stay in L1) across the panel's columns.
+
+static constexpr int64_t kGroup16 = 256;  // int16 codes a group of 8 blocks (16 steps of 16)
+
+// Where a row's blocks are in the lane layout of K (above).
+struct Lanes16 {
+  int64_t nb;    // blocks a row
+  int64_t ngl;   // groups of 8 lanes (the last one padded when nb % 8 > 4)
+  int span;      // 1, 2 or 4: the span group's width; 0: none
+  int64_t wlen;  // int16 codes a row or column: ngl * 256 + 32 * span
+};
+
+static inline Lanes16 lanes16(int64_t K) {
+  const int64_t nb = K / QK, rem = nb % 8;
+  const int span = rem == 0 || rem > 4 ? 0 : rem == 1 ? 1 : rem == 2 ? 2 : 4;
+  const int64_t ngl = nb / 8 + (rem > 4 ? 1 : 0);
+  return Lanes16{nb, ngl, span, ngl * kGroup16 + 32 * span};
+}
+
+// Element e(s, h) of a full group (above).
+static inline int lane_elem(int bits, int s, int h) {
+  if (bits == 8) return 4 * (s / 2) + 2 * h + s % 2;
+  static const int off[4] = {0, 16, 1, 17};
+  return 4 * (s / 4) + 2 * h + off[s % 4];
+}
+
+// Tail block i's 32 codes in natural order (c) -> their words of the span group t: in step s, lanes
+// i S .. i S + S - 1 hold elements 2 S s .. 2 S s + 2 S - 1, in order (S = 8 / SPAN; fixed-size copies).
+template <int SPAN>
+static inline void to_span(const int16_t* c, int i, int16_t* t) {
+  constexpr int S = 8 / SPAN;
+  for (int s = 0; s < 2 * SPAN; ++s) std::memcpy(t + 16 * s + 2 * S * i, c + 2 * S * s, 4 * S);
+}
+
+static inline void to_span(const int16_t* c, int span, int i, int16_t* t) {
+  switch (span) {
+    case 1: to_span<1>(c, i, t); break;
+    case 2: to_span<2>(c, i, t); break;
+    default: to_span<4>(c, i, t); break;
+  }
+}
+
+// The 8 lanes of a, which hold blocks (0, 2, 4, 6, 1, 3, 5, 7), in block order.
+static inline __m256i lanes_in_order(__m256i a) {
+  return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// A span group's partial sums -> the tail blocks' sums in lanes 0 .. span-1 (lanes past them: any value,
+// their d is 0). Integer adds: exact in any order.
+template <int SPAN>
+static inline __m256i span_sums(__m256i v) {
+  v = _mm256_add_epi32(v, _mm256_srli_epi64(v, 32));                                 // pairs: lanes 0, 2, 4, 6
+  if constexpr (SPAN <= 2) v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0x4E));   // quads: lanes 0, 4
+  if constexpr (SPAN == 1) v = _mm256_add_epi32(v, _mm256_permute2x128_si256(v, v, 0x01));  // all: lane 0
+  const __m256i idx = SPAN == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0) : _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  return _mm256_permutevar8x32_epi32(v, idx);
+}
+
+// An empty asm on an accumulator: integer adds are associative, and GCC would otherwise rebalance a chain of
+// madd-then-add into a tree with every product live at once (spilled to the stack: 2x slower).
+static inline void keep_chain(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// rows x K floats -> q (rows, qs) int16 in the lane layout, sa and xsum (rows, ss), zero-padded.
+static void quantize_rows16_lanes(const float* x, int64_t rows, int64_t K, int bits, int16_t* q, int64_t qs,
+                                  float* sa, float* xsum, int64_t ss) {
+  const Lanes16 L = lanes16(K);
+  alignas(32) int16_t c[QK];
+  int elem[16][2];  // a full group's e(s, h)
+  for (int st = 0; st < 16; ++st) elem[st][0] = lane_elem(bits, st, 0), elem[st][1] = lane_elem(bits, st, 1);
+  const int64_t full = 8 * L.ngl < L.nb ? 8 * L.ngl : L.nb;  // blocks in full (or padded) groups
+  for (int64_t r = 0; r < rows; ++r) {
+    int16_t* qr = q + r * qs;
+    std::memset(qr, 0, L.wlen * sizeof(int16_t));  // padding blocks
+    for (int64_t b = 0; b < L.nb; ++b) {
+      quantize_block16(x + r * K + b * QK, c, sa + r * ss + b, xsum + r * ss + b);
+      if (b < full) {
+        int16_t* g = qr + (b / 8) * kGroup16 + 2 * (b % 8);
+        for (int st = 0; st < 16; ++st) g[st * 16] = c[elem[st][0]], g[st * 16 + 1] = c[elem[st][1]];
+        continue;
+      }
+      to_span(c, L.span, static_cast<int>(b - full), qr + L.ngl * kGroup16);
+    }
+    for (int64_t b = L.nb; b < ss; ++b) sa[r * ss + b] = 0.f, xsum[r * ss + b] = 0.f;
+  }
+}
+
+// 8 Q4 blocks (128 bytes) -> 16 steps of the lane layout at dst (256 int16).
+static inline void widen_group_q4(const uint8_t* w, int16_t* dst) {
+  __m256i y[4];
+  for (int k = 0; k < 4; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k));
+  // 32-bit transpose: d[q] lane j = bytes 4q..4q+3 of block j.
+  const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), b = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
+  const __m256i d[4] = {lanes_in_order(_mm256_unpacklo_epi64(a, c)), lanes_in_order(_mm256_unpackhi_epi64(a, c)),
+                        lanes_in_order(_mm256_unpacklo_epi64(b, e)), lanes_in_order(_mm256_unpackhi_epi64(b, e))};
+  const __m256i nib = _mm256_set1_epi16(0x000F);
+  for (int q = 0; q < 4; ++q) {
+    __m256i* o = reinterpret_cast<__m256i*>(dst + 4 * q * 16);
+    _mm256_store_si256(o, _mm256_and_si256(d[q], nib));                           // lo(4q), lo(4q+2)
+    _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(d[q], 4), nib));  // hi(4q), hi(4q+2)
+    _mm256_store_si256(o + 2, _mm256_and_si256(_mm256_srli_epi16(d[q], 8), nib));  // lo(4q+1), lo(4q+3)
+    _mm256_store_si256(o + 3, _mm256_srli_epi16(d[q], 12));                        // hi(4q+1), hi(4q+3)
+  }
+}
+
+// 8 Q8 blocks (256 bytes) -> 16 steps of the lane layout at dst (256 int16).
+static inline void widen_group_q8(const uint8_t* w, int16_t* dst) {
+  __m256i y[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k));
+  for (int k = 0; k < 8; k += 2) {  // [b d0, b' d0, b d1, b' d1 | d4, d5] and [d2, d3 | d6, d7]
+    t[k] = _mm256_unpacklo_epi32(y[k], y[k + 1]);
+    t[k + 1] = _mm256_unpackhi_epi32(y[k], y[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {  // four blocks' dwords (0 | 4), (1 | 5), (2 | 6), (3 | 7)
+    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+    u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+    u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m256i lo = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);  // dword q of blocks 0..7
+    const __m256i hi = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);  // dword q + 4
+    __m256i* o = reinterpret_cast<__m256i*>(dst);
+    _mm256_store_si256(o + 2 * q, _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8));  // bytes 4q, 4q+2
+    _mm256_store_si256(o + 2 * q + 1, _mm256_srai_epi16(lo, 8));                  // bytes 4q+1, 4q+3
+    _mm256_store_si256(o + 2 * (q + 4), _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8));
+    _mm256_store_si256(o + 2 * (q + 4) + 1, _mm256_srai_epi16(hi, 8));
+  }
+}
+
+// A widened column of a panel: w (wlen) int16 in the lane layout, d and m (ss) fp32, zero past nb.
+struct Col16 {
+  const int16_t* w;
+  const float* d;
+  const float* m;
+};
+
+// Bytes of one widened column in a panel (w, then d, then m; 32-byte aligned).
+static inline int64_t col16_bytes(const Lanes16& L, int64_t ss) { return (L.wlen * 2 + 31) / 32 * 32 + 8 * ss; }
+
+static inline Col16 panel_col(char* p, const Lanes16& L, int64_t ss) {
+  const float* d = reinterpret_cast<const float*>(p + (L.wlen * 2 + 31) / 32 * 32);
+  return Col16{reinterpret_cast<const int16_t*>(p), d, d + ss};
+}
+
+// Weight column n -> its widened copy at p (col16_bytes).
+template <bool Q4>
+static void widen_column(const QArgs16& a, const Lanes16& L, int64_t ss, int64_t n, char* p) {
+  const int64_t nb = L.nb, gb = Q4 ? 4 * QK : 8 * QK;  // gb: bytes a group
+  const uint8_t* wn = a.wq + n * (Q4 ? a.K / 2 : a.K);
+  int16_t* w = reinterpret_cast<int16_t*>(p);
+  for (int64_t g = 0; g < L.ngl; ++g) {
+    const uint8_t* src = wn + g * gb;
+    alignas(32) uint8_t wt[8 * QK];
+    if (8 * (g + 1) > nb) {  // a padded last group: the row's bytes end with its last block
+      std::memset(wt, 0, sizeof wt);
+      std::memcpy(wt, src, (nb - 8 * g) * gb / 8);
+      src = wt;
+    }
+    if constexpr (Q4) widen_group_q4(src, w + g * kGroup16);
+    else widen_group_q8(src, w + g * kGroup16);
+  }
+  if (L.span) {  // the span group, from each tail block's codes in natural order
+    const int64_t first = 8 * L.ngl;
+    int16_t* t = w + L.ngl * kGroup16;
+    std::memset(t, 0, 64 * L.span);
+    for (int i = 0; first + i < nb; ++i) {
+      alignas(32) int16_t nat[QK];  // the block's codes in natural order
+      const uint8_t* blk = wn + (first + i) * gb / 8;
+      __m256i* nv = reinterpret_cast<__m256i*>(nat);
+      if constexpr (Q4) {  // byte e: element e in its low nibble, element e + 16 in its high one
+        const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)), nib = _mm_set1_epi8(0x0F);
+        _mm256_store_si256(nv, _mm256_cvtepu8_epi16(_mm_and_si128(y, nib)));
+        _mm256_store_si256(nv + 1, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(y, 4), nib)));
+      } else {
+        _mm256_store_si256(nv, _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))));
+        _mm256_store_si256(nv + 1, _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))));
+      }
+      to_span(nat, L.span, i, t);
+    }
+  }
+  float* d = reinterpret_cast<float*>(p + (L.wlen * 2 + 31) / 32 * 32);
+  float* m = d + ss;
+  const uint16_t* dn = a.wd + n * nb;
+  const uint16_t* mn = Q4 ? a.wm + n * nb : nullptr;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    _mm256_store_ps(d + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dn + b))));
+    if constexpr (Q4) _mm256_store_ps(m + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b))));
+  }
+  for (; b < ss; ++b) {
+    d[b] = b < nb ? _cvtsh_ss(dn[b]) : 0.f;
+    m[b] = Q4 && b < nb ? _cvtsh_ss(mn[b]) : 0.f;
+  }
+}
+
+// NS steps of R rows (xg: each row's step 0) against C widened columns (wg likewise) into the block sums s.
+// Each step's weights are loaded once for the R rows and its activations once for the C columns.
+template <int R, int C, int NS>
+static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg, __m256i s[R][C]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) s[r][j] = _mm256_setzero_si256();
+#pragma GCC unroll 16  // fully: s must stay in registers
+  for (int st = 0; st < NS; ++st) {
+    __m256i w[C];
+    for (int j = 0; j < C; ++j) {
+      w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wg[j] + st * 16));
+      keep_chain(w[j]);  // in a register: GCC would fold the load into each row's multiply (R loads, not 1)
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg[r] + st * 16));
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) {
+#if QG_VNNI
+        s[r][j] = _mm256_dpwssd_epi32(s[r][j], w[j], x);
+#else
+        s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(w[j], x));
+        keep_chain(s[r][j]);
+#endif
+      }
+    }
+  }
+}
+
+// The end of group g (numerics 3): block sums s (lane j = block 8g + j) into the fp32 lanes acc.
+template <int R, int C, bool Q4>
+static inline void lane_group_end(const QArgs16& a, const Col16* c, int64_t m0, int64_t g, const __m256i s[R][C],
+                                  __m256 acc[R][C]) {
+  for (int j = 0; j < C; ++j) {
+    const __m256 d8 = _mm256_load_ps(c[j].d + 8 * g);
+    for (int r = 0; r < R; ++r) {
+      const float* sa = a.sa + (m0 + r) * a.ss + 8 * g;
+      acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][j]), _mm256_mul_ps(d8, _mm256_loadu_ps(sa)), acc[r][j]);
+      if constexpr (Q4)
+        acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(c[j].m + 8 * g), _mm256_loadu_ps(a.xsum + (m0 + r) * a.ss + 8 * g),
+                                    acc[r][j]);
+    }
+  }
+}
+
+// The span group: 2 * SPAN steps, each block's lanes summed, then the usual end.
+template <int R, int C, bool Q4, int SPAN>
+static inline void span_group(const QArgs16& a, const Col16* c, const Lanes16& L, const int16_t* const* xr,
+                              int64_t m0, __m256 acc[R][C]) {
+  const int16_t* xg[R];
+  const int16_t* wg[C];
+  for (int r = 0; r < R; ++r) xg[r] = xr[r] + L.ngl * kGroup16;
+  for (int j = 0; j < C; ++j) wg[j] = c[j].w + L.ngl * kGroup16;
+  __m256i s[R][C];
+  lane_steps<R, C, 2 * SPAN>(xg, wg, s);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) s[r][j] = span_sums<SPAN>(s[r][j]);
+  lane_group_end<R, C, Q4>(a, c, m0, L.ngl, s, acc);
+}
+
+// Rows m0 .. m0+R-1 against the C widened columns c (output columns n0 ..).
+template <int R, int C, bool Q4>
+static inline void micro_lanes(const QArgs16& a, const Lanes16& L, const Col16* c, int64_t m0, int64_t n0) {
+  const int16_t* xr[R];
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = a.qa + (m0 + r) * a.qs;
+    for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < L.ngl; ++g) {
+    const int16_t* xg[R];
+    const int16_t* wg[C];
+    for (int r = 0; r < R; ++r) xg[r] = xr[r] + g * kGroup16;
+    for (int j = 0; j < C; ++j) wg[j] = c[j].w + g * kGroup16;
+    __m256i s[R][C];
+    lane_steps<R, C, 16>(xg, wg, s);
+    lane_group_end<R, C, Q4>(a, c, m0, g, s, acc);
+  }
+  switch (L.span) {
+    case 1: span_group<R, C, Q4, 1>(a, c, L, xr, m0, acc); break;
+    case 2: span_group<R, C, Q4, 2>(a, c, L, xr, m0, acc); break;
+    case 4: span_group<R, C, Q4, 4>(a, c, L, xr, m0, acc); break;
+    default: break;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) store16(a, m0 + r, n0 + j, acc[r][j]);
+}
+
+#ifndef QG_A16_ROWS
+#define QG_A16_ROWS 2
+#endif
+#ifndef QG_A16_COLS
+#define QG_A16_COLS 4
+#endif
+static constexpr int kRowsLanes = QG_A16_ROWS;  // rows a micro-tile
+static constexpr int kColsLanes = QG_A16_COLS;  // columns a micro-tile
+#ifndef QG_A16_PANEL_KB
+#define QG_A16_PANEL_KB 128
+#endif
+#ifndef QG_A16_ROWBLOCK_KB
+#define QG_A16_ROWBLOCK_KB 128
+#endif
+static constexpr int64_t kPanel16 = QG_A16_PANEL_KB * 1024;        // bytes of widened columns a panel: L2 (512 KB on Zen 3)
+static constexpr int64_t kRowBlock16 = QG_A16_ROWBLOCK_KB * 1024;  // bytes of activation codes a row block: L2 beside the panel
+
+// Rows [m0, m1) against the C columns c (output columns from n): the columns' codes stay in L1 while the rows'
+// stream from L2.
+template <int C, bool Q4>
+static inline void cols_rows(const QArgs16& a, const Lanes16& L, const Col16* c, int64_t m0, int64_t m1, int64_t n) {
+  int64_t m = m0;
+  for (; m + kRowsLanes <= m1; m += kRowsLanes) micro_lanes<kRowsLanes, C, Q4>(a, L, c, m, n);
+  for (; m < m1; ++m) micro_lanes<1, C, Q4>(a, L, c, m, n);
+}
+
+// The calling thread's panel buffer, at least `bytes` (32-byte aligned), kept for its next call: a fresh
+// allocation of this size is an mmap and its page faults on every call (~10% of a 32-row decode step).
+static char* panel_buffer(int64_t bytes) {
+  static thread_local char* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (bytes > cap) {
+    std::free(buf);
+    cap = (bytes + 4095) / 4096 * 4096;
+    buf = static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(cap)));
+  }
+  return buf;
+}
+
+template <bool Q4>
+static void gemm16_lanes(const QArgs16& a, int64_t n0, int64_t n1) {
+  const Lanes16 L = lanes16(a.K);
+  const int64_t col_bytes = col16_bytes(L, a.ss);
+  int64_t nc = kPanel16 / col_bytes / kColsLanes * kColsLanes;
+  nc = nc < kColsLanes ? kColsLanes : nc;
+  int64_t mc = kRowBlock16 / (2 * L.wlen);  // rows a block: their codes stay in L2 beside the panel
+  mc = mc < kRowsLanes ? kRowsLanes : mc / kRowsLanes * kRowsLanes;
+  char* panel = panel_buffer(nc * col_bytes + nc * static_cast<int64_t>(sizeof(Col16)));
+  Col16* cols = reinterpret_cast<Col16*>(panel + nc * col_bytes);
+  for (int64_t j = 0; j < nc; ++j) cols[j] = panel_col(panel + j * col_bytes, L, a.ss);
+  for (int64_t n = n0; n < n1; n += nc) {
+    const int64_t cn = n + nc < n1 ? nc : n1 - n;
+    for (int64_t j = 0; j < cn; ++j) widen_column<Q4>(a, L, a.ss, n + j, panel + j * col_bytes);
+    for (int64_t m0 = 0; m0 < a.M; m0 += mc) {
+      const int64_t m1 = m0 + mc < a.M ? m0 + mc : a.M;
+      int64_t j = 0;
+      for (; j + kColsLanes <= cn; j += kColsLanes) cols_rows<kColsLanes, Q4>(a, L, cols + j, m0, m1, n + j);
+      for (; j < cn; ++j) cols_rows<1, Q4>(a, L, cols + j, m0, m1, n + j);
+    }
+  }
+}
+
+// --- Entry points: the pair layout below kLaneRows rows, the lane layout from there. ---
+
+static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
+  if (a.M < kLaneRows) {
+    if (a.bits == 4) gemm16_pairs<true>(a, n0, n1);
+    else gemm16_pairs<false>(a, n0, n1);
+  } else {
+    if (a.bits == 4) gemm16_lanes<true>(a, n0, n1);
+    else gemm16_lanes<false>(a, n0, n1);
+  }
+}
+
+// `lanes`: the call has M >= kLaneRows rows (qgemm_core.h decides, as rows may be a part of the call).
+static void quantize_rows16(const float* x, int64_t rows, int64_t K, int bits, bool lanes, int16_t* q, int64_t qs,
+                            float* sa, float* xsum, int64_t ss) {
+  if (lanes) quantize_rows16_lanes(x, rows, K, bits, q, qs, sa, xsum, ss);
+  else quantize_rows16_pairs(x, rows, K, bits, q, qs, sa, xsum, ss);
+}
