@@ -148,19 +148,22 @@ static inline __m256 apply_group(const __m256i pp[4], __m256 d8, __m256 m8, cons
 template <int R, int NP, bool Q4>
 static inline void group16(const Group16& gw, const int16_t* const* xr, const float* const* sar,
                            const float* const* xsr, __m256 acc[R]) {
-  __m256i w[NP][4];
-  for (int p = 0; p < NP; ++p) {
-    if constexpr (Q4) widen_q4(gw.w[p], w[p]);
-    else widen_q8(gw.w[p], w[p]);
+  // One pair at a time, widened and used by every row: 4 weight vectors live, not 16 (which spilled).
+  __m256i pp[R][4];
+  for (int p = 0; p < 4; ++p) {
+    if (p >= NP) {
+      for (int r = 0; r < R; ++r) pp[r][p] = _mm256_setzero_si256();
+      continue;
+    }
+    __m256i w[4];
+    if constexpr (Q4) widen_q4(gw.w[p], w);
+    else widen_q8(gw.w[p], w);
+    for (int r = 0; r < R; ++r) pp[r][p] = dot_pair(w, xr[r] + p * kPair16);
   }
   const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.d)));
   __m256 m8 = _mm256_setzero_ps();
   if constexpr (Q4) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.m)));
-  for (int r = 0; r < R; ++r) {
-    __m256i pp[4];
-    for (int p = 0; p < 4; ++p) pp[p] = p < NP ? dot_pair(w[p], xr[r] + p * kPair16) : _mm256_setzero_si256();
-    acc[r] = apply_group<Q4>(pp, d8, m8, sar[r], xsr[r], acc[r]);
-  }
+  for (int r = 0; r < R; ++r) acc[r] = apply_group<Q4>(pp[r], d8, m8, sar[r], xsr[r], acc[r]);
 }
 
 // The fixed end of an output (numerics 3).
