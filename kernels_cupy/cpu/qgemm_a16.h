@@ -200,9 +200,12 @@ static inline void micro16(const QArgs16& a, int64_t m0, int64_t n) {
   if (rem) {
     // The last, partial group: d = m = 0 past nb (zero-padded copies) makes the padding lanes add +0. An odd
     // last block's pair is read from a zero-padded copy: the row's bytes end with that block.
-    alignas(16) uint16_t dt[8] = {}, mt[8] = {};
-    std::memcpy(dt, dn + 8 * ng, rem * sizeof(uint16_t));
-    if constexpr (Q4) std::memcpy(mt, mn + 8 * ng, rem * sizeof(uint16_t));
+    // Element by element, not memcpy: a call with a run-time size a column was ~1/8 of a 1-row K = 576 call.
+    alignas(16) uint16_t dt[8], mt[8];
+    for (int b = 0; b < 8; ++b) {
+      dt[b] = b < rem ? dn[8 * ng + b] : uint16_t{0};
+      mt[b] = Q4 && b < rem ? mn[8 * ng + b] : uint16_t{0};
+    }
     const uint8_t* wg = wn + ng * 4 * pb;
     Group16 gw{{wg, wg + pb, wg + 2 * pb, wg + 3 * pb}, dt, mt};
     alignas(32) uint8_t wt[2 * QK];  // (the odd block, zeros): up to one pair
