@@ -13,9 +13,12 @@
 //   up), each block spread over S = 8 / span lanes, 2 * span steps; step s, lane l, word h holds element
 //   (s * S + l % S) * 2 + h of tail block l / S (zeros past rem). The S lanes of a block are summed (span_sums)
 //   into lane i, so the tail ends like any group: blocks 8 * ngl + i in lanes i, d = m = sa = xsum = 0 past nb.
+//   Lanes past rem then hold some integer; times d * sa = 0 it adds a signed zero, which leaves the fp32 lane
+//   as it was (it starts at +0, and a sum is -0 only when both terms are), as numerics 3's padding blocks do.
 //
-// Blocking: each thread widens its columns once a call, a panel at a time (kPanel16 bytes, L2-resident), then
-// sweeps every micro-tile of kRowsLanes rows (their activations stay in L1) across the panel's columns.
+// Blocking: each thread widens its columns once a call, a panel at a time (kPanel16 bytes, L2-resident); for
+// each block of rows (kRowBlock16 bytes of codes, L2) each micro-tile of kColsLanes columns (L1) runs over
+// the block's micro-tiles of kRowsLanes rows.
 
 static constexpr int64_t kGroup16 = 256;  // int16 codes a group of 8 blocks (16 steps of 16)
 
