@@ -246,7 +246,7 @@ static void gemm16_lanes(const QArgs16& a, int64_t n0, int64_t n1) {
   for (int64_t j = 0; j < nc; ++j) cols[j] = panel_col(panel + j * col_bytes, L, a.ss);
   for (int64_t n = n0; n < n1; n += nc) {
     const int64_t cn = n + nc < n1 ? nc : n1 - n;
-    for (int64_t j = 0; j < cn; ++j) widen_column<Q4>(a, L, a.ss, n + j, panel + j * col_bytes);
+    for (int64_t j = 0; j < cn; ++j) widen_column<Q4>(a, L, n + j, panel + j * col_bytes);
     for (int64_t m0 = 0; m0 < a.M; m0 += mc) {
       const int64_t m1 = m0 + mc < a.M ? m0 + mc : a.M;
       int64_t j = 0;

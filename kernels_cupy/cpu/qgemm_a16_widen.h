@@ -52,17 +52,20 @@ struct Col16 {
   const float* m;
 };
 
-// Bytes of one widened column in a panel (w, then d, then m; 32-byte aligned).
-static inline int64_t col16_bytes(const Lanes16& L, int64_t ss) { return (L.wlen * 2 + 31) / 32 * 32 + 8 * ss; }
+// Bytes of a widened column's codes, rounded up so that its scales start 32-byte aligned.
+static inline int64_t col16_code_bytes(const Lanes16& L) { return (L.wlen * 2 + 31) / 32 * 32; }
+// Bytes of one widened column in a panel (w, then d, then m).
+static inline int64_t col16_bytes(const Lanes16& L, int64_t ss) { return col16_code_bytes(L) + 8 * ss; }
 
 static inline Col16 panel_col(char* p, const Lanes16& L, int64_t ss) {
-  const float* d = reinterpret_cast<const float*>(p + (L.wlen * 2 + 31) / 32 * 32);
+  const float* d = reinterpret_cast<const float*>(p + col16_code_bytes(L));
   return Col16{reinterpret_cast<const int16_t*>(p), d, d + ss};
 }
 
 // Weight column n -> its widened copy at p (col16_bytes).
 template <bool Q4>
-static void widen_column(const QArgs16& a, const Lanes16& L, int64_t ss, int64_t n, char* p) {
+static void widen_column(const QArgs16& a, const Lanes16& L, int64_t n, char* p) {
+  const int64_t ss = a.ss;
   const int64_t nb = L.nb, gb = Q4 ? 4 * QK : 8 * QK;  // gb: bytes a group
   const uint8_t* wn = a.wq + n * (Q4 ? a.K / 2 : a.K);
   int16_t* w = reinterpret_cast<int16_t*>(p);
@@ -96,7 +99,7 @@ static void widen_column(const QArgs16& a, const Lanes16& L, int64_t ss, int64_t
       to_span(nat, L.span, i, t);
     }
   }
-  float* d = reinterpret_cast<float*>(p + (L.wlen * 2 + 31) / 32 * 32);
+  float* d = reinterpret_cast<float*>(p + col16_code_bytes(L));
   float* m = d + ss;
   const uint16_t* dn = a.wd + n * nb;
   const uint16_t* mn = Q4 ? a.wm + n * nb : nullptr;
