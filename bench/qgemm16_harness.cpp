@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   const int nsh = argc > 2 ? std::atoi(argv[2]) : 4;
   const int64_t shapes[][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {37, 32}, {37, 96},
                                {37, 128},  {37, 160},  {37, 224},   {37, 256},   {37, 288}, {37, 384}};  // (N, K)
-  const int64_t ms[] = {1, 2, 3, 4, 8, 16, 32, 64, 512};
+  const int64_t ms[] = {1, 2, 3, 4, 8, 16, 20, 32, 64, 128, 512};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_int_distribution<int> ud(0, 255);
@@ -42,14 +42,14 @@ int main(int argc, char** argv) {
       std::vector<float> x(M * K);
       for (auto& v : x) v = nd(rng);
       const int64_t qs = a16_code_stride(K), ss = a16_scale_stride(K);
-      std::vector<int16_t> q(M * qs), q0(M * qs);
+      std::vector<int16_t> q(a16_code_rows(M) * qs), q0(M * qs);  // whole AMX tiles of rows
       std::vector<float> sa(M * ss), xs(M * ss), sa0(M * ss), xs0(M * ss), out(M * N), ref(M * N);
       const uint16_t* wmp = bits == 4 ? wm.data() : nullptr;
       scalar::quantize_rows16(x.data(), M, K, q0.data(), qs, sa0.data(), xs0.data(), ss);
       scalar::gemm16(QArgs16{M, N, K, bits, q0.data(), qs, sa0.data(), xs0.data(), ss, wq.data(), wd.data(), wmp,
                              nullptr, ref.data()}, 0, N);
       auto run = [&] {
-        quantize_rows16(x.data(), M, M, K, bits, q.data(), qs, sa.data(), xs.data(), ss);
+        quantize_rows16(x.data(), M, 0, M, K, bits, q.data(), qs, sa.data(), xs.data(), ss);
         gemm16(QArgs16{M, N, K, bits, q.data(), qs, sa.data(), xs.data(), ss, wq.data(), wd.data(), wmp, nullptr,
                        out.data()}, 0, N);
       };

@@ -124,8 +124,10 @@ from workers.models.quant import quantize
 mod = load_qgemm()
 g = torch.Generator().manual_seed(0)
 outs = []
-# (K's blocks: 3; 19 and 131 = groups of 8 + a 3-block span group; 9, 10 = a group + 1 or 2; 13 = a padded group)
-for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131), (5, 11, 32 * 9), (6, 10, 32 * 10), (4, 7, 32 * 13)):
+# (K's blocks: 3; 19 and 131 = groups of 8 + a 3-block span group; 9, 10 = a group + 1 or 2; 13 = a padded group;
+# on AMX, from 16 rows: 300 and 17 rows = whole tiles + a part, 9 and 40 columns = a part of one or two halves)
+for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131), (5, 11, 32 * 9), (6, 10, 32 * 10), (4, 7, 32 * 13),
+                (17, 40, 32 * 19), (16, 33, 96)):
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
     x[0, :32] = 0.0
     x[-1, 32:64] *= 1e-39  # a block of subnormals: its scale underflows, 1 / scale overflows
@@ -139,8 +141,8 @@ print(mod.isa())
 
 
 def test_every_isa_path_is_bit_identical(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Scalar, AVX2 and (where the CPU has it) VNNI give the same bits; one process each, as the path is chosen
-    once per process."""
-    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "best"), tmp_path)
+    """Scalar, AVX2 and (where the CPU has them) VNNI and AMX give the same bits; one process each, as the path is
+    chosen once per process."""
+    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "vnni", "best"), tmp_path)
     for isa, got in results.items():
         assert torch.equal(got, results["scalar"]), isa

@@ -19,7 +19,8 @@ static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, 
   const int64_t qs = qgemm::a16_code_stride(K), ss = qgemm::a16_scale_stride(K);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;  // a step that samples no row (only partial prefill chunks) has an empty head
-  auto qa = torch::empty({M, qs}, x.options().dtype(torch::kInt16));  // (M, qs) codes, qgemm_a16.h's layout
+  // (M rounded up to whole AMX tiles, qs) codes in qgemm_a16.h's layout (rows past M: any value, never used)
+  auto qa = torch::empty({qgemm::a16_code_rows(M), qs}, x.options().dtype(torch::kInt16));
   auto sa = torch::empty({M, ss}, x.options());                        // (M, ss) scales, zero-padded
   auto xs = torch::empty({M, ss}, x.options());                        // (M, ss) scale * sum of codes
   const float* xp = x.data_ptr<float>();
@@ -27,7 +28,7 @@ static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, 
   float* sap = sa.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    qgemm::quantize_rows16(xp + b * K, e - b, M, K, static_cast<int>(bits), qap + b * qs, qs, sap + b * ss,
+    qgemm::quantize_rows16(xp + b * K, e - b, b, M, K, static_cast<int>(bits), qap + b * qs, qs, sap + b * ss,
                            xsp + b * ss, ss);
   });
   const qgemm::QArgs16 a{M, N, K, bits, qap, qs, sap, xsp, ss, reinterpret_cast<const uint8_t*>(wq.data_ptr()),

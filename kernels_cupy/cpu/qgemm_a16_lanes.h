@@ -108,6 +108,37 @@ static void quantize_rows16_lanes(const float* x, int64_t rows, int64_t K, int b
 
 // NS steps of R rows (xg: each row's step 0) against C widened columns (wg likewise) into the block sums s.
 // Each step's weights are loaded once for the R rows and its activations once for the C columns.
+#if QG_VNNI
+// 512-bit: one vpdpwssd takes two consecutive steps (adjacent in memory, 64 bytes: lanes 0-7 step st, lanes
+// 8-15 step st + 1, blocks 0-7 in each half); the halves are added at the end. Integer adds: the block sums
+// are the exact ones the 256-bit loop gives. NS is even (16 for a group, 2 * span for a span group).
+static inline void keep_chain(__m512i& v) { __asm__("" : "+v"(v)); }
+
+template <int R, int C, int NS>
+static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg, __m256i s[R][C]) {
+  static_assert(NS % 2 == 0, "steps come in pairs");
+  __m512i z[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) z[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8  // fully: z must stay in registers
+  for (int st = 0; st < NS; st += 2) {
+    __m512i w[C];
+    for (int j = 0; j < C; ++j) {
+      w[j] = _mm512_load_si512(wg[j] + st * 16);
+      keep_chain(w[j]);  // in a register: GCC would fold the load into each row's multiply (R loads, not 1)
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xg[r] + st * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) z[r][j] = _mm512_dpwssd_epi32(z[r][j], w[j], x);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j)
+      s[r][j] = _mm256_add_epi32(_mm512_castsi512_si256(z[r][j]), _mm512_extracti64x4_epi64(z[r][j], 1));
+}
+#else
 template <int R, int C, int NS>
 static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg, __m256i s[R][C]) {
   for (int r = 0; r < R; ++r)
@@ -124,16 +155,13 @@ static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg[r] + st * 16));
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) {
-#if QG_VNNI
-        s[r][j] = _mm256_dpwssd_epi32(s[r][j], w[j], x);
-#else
         s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(w[j], x));
         keep_chain(s[r][j]);
-#endif
       }
     }
   }
 }
+#endif
 
 // The end of group g (numerics 3): block sums s (lane j = block 8g + j) into the fp32 lanes acc.
 template <int R, int C, bool Q4>

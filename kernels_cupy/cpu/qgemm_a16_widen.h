@@ -52,10 +52,11 @@ struct Col16 {
   const float* m;
 };
 
-// Bytes of a widened column's codes, rounded up so that its scales start 32-byte aligned.
-static inline int64_t col16_code_bytes(const Lanes16& L) { return (L.wlen * 2 + 31) / 32 * 32; }
-// Bytes of one widened column in a panel (w, then d, then m).
-static inline int64_t col16_bytes(const Lanes16& L, int64_t ss) { return col16_code_bytes(L) + 8 * ss; }
+// Bytes of a widened column's codes, rounded up so that its scales start 64-byte aligned.
+static inline int64_t col16_code_bytes(const Lanes16& L) { return (L.wlen * 2 + 63) / 64 * 64; }
+// Bytes of one widened column in a panel (w, then d, then m), a multiple of 64: every column's codes start on
+// a cache line (the 512-bit loop's aligned loads).
+static inline int64_t col16_bytes(const Lanes16& L, int64_t ss) { return (col16_code_bytes(L) + 8 * ss + 63) / 64 * 64; }
 
 static inline Col16 panel_col(char* p, const Lanes16& L, int64_t ss) {
   const float* d = reinterpret_cast<const float*>(p + col16_code_bytes(L));

@@ -11,10 +11,15 @@
 // the default arithmetic; exact numerics in qgemm_a16.h, scalar reference scalar::quantize_rows16 / gemm16).
 //
 // Paths, picked once at run time from the CPU's features (KVGATE_QGEMM_ISA=scalar|avx2|vnni narrows it,
-// for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar.
+// for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar; on top of
+// VNNI, where the CPU has AMX-INT8 and Linux grants its tile state, the A16 kernel of calls from kAmxRows rows
+// runs on AMX tiles (qgemm_a16_amx.h).
 #pragma once
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -58,6 +63,10 @@ struct QArgs16 {
 static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
 // From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16_lanes.h), below it the pair layout (qgemm_a16.h).
 static constexpr int64_t kLaneRows = 4;
+// From this many rows the A16 kernel runs on AMX tiles where amx_on() (below).
+static constexpr int64_t kAmxRows = 16;
+// Rows of the A16 codes buffer for M rows: whole AMX tiles of 16 (the last tile reads rows past M).
+static inline int64_t a16_code_rows(int64_t M) { return (M + 15) / 16 * 16; }
 static inline int64_t a16_scale_stride(int64_t K) { return (K / 32 + 7) / 8 * 8; }
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
@@ -216,6 +225,13 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "qgemm_a16_amx.h"
+}  // namespace amx
+#pragma GCC pop_options
+
 static Isa detect_isa() {
   __builtin_cpu_init();
   Isa best = kScalar;
@@ -234,7 +250,26 @@ static Isa isa() {
   return chosen;
 }
 
-static inline const char* isa_name(Isa i) { return i == kVnni ? "avx512-vnni" : i == kAvx2 ? "avx2" : "scalar"; }
+// AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), and Linux's permission for the tile data state, asked once
+// for the process (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18): without it the first tile
+// instruction would kill the process. On top of the VNNI path only (KVGATE_QGEMM_ISA=vnni switches it off).
+static bool detect_amx() {
+  if (isa() != kVnni) return false;
+  const char* want = std::getenv("KVGATE_QGEMM_ISA");
+  if (want && std::strcmp(want, "vnni") == 0) return false;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+static bool amx_on() {
+  static const bool on = detect_amx();
+  return on;
+}
+
+static inline const char* isa_name(Isa i) {
+  return i == kVnni ? (amx_on() ? "avx512-vnni+amx" : "avx512-vnni") : i == kAvx2 ? "avx2" : "scalar";
+}
 
 // Activations for the 4-bit SIMD kernels: the same codes as quantize_rows in block-pair order, plus sa8.
 static void quantize_rows_q4(const float* x, int64_t rows, int64_t K, int8_t* q, float* s, float* xsum, float* sa8) {
@@ -262,11 +297,13 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
-// A16 activations: the pair or lane layout for `bits` on the SIMD paths, natural order on the scalar one (qgemm_a16.h).
-// M: the whole call's rows (rows may be a part of them), which picks the layout.
-static void quantize_rows16(const float* x, int64_t rows, int64_t M, int64_t K, int bits, int16_t* q, int64_t qs,
-                            float* sa, float* xsum, int64_t ss) {
+// A16 activations: the pair or lane layout for `bits` on the SIMD paths, natural order on the scalar one (qgemm_a16.h),
+// AMX's tiles (qgemm_a16_amx.h). Rows r0 .. r0+rows-1 of a call of M rows (M picks the layout): x, q, sa and xsum
+// point at row r0 (the AMX tiles place a row by its index in the call).
+static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M, int64_t K, int bits, int16_t* q,
+                            int64_t qs, float* sa, float* xsum, int64_t ss) {
   const bool lanes = M >= kLaneRows;
+  if (M >= kAmxRows && amx_on()) return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss);
   switch (isa()) {
     case kVnni: vnni::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;
     case kAvx2: avx2::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;
@@ -276,6 +313,7 @@ static void quantize_rows16(const float* x, int64_t rows, int64_t M, int64_t K, 
 
 // A16 output columns [n0, n1) for all rows; callers split N across threads.
 static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
+  if (a.M >= kAmxRows && amx_on()) return amx::gemm16(a, n0, n1);
   switch (isa()) {
     case kVnni: vnni::gemm16(a, n0, n1); break;
     case kAvx2: avx2::gemm16(a, n0, n1); break;
