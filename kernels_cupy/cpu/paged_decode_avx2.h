@@ -69,6 +69,18 @@ static inline void softmax_row(float* s, int64_t L, float* m_out, float* l_out) 
   *l_out = sum;
 }
 
+// Context rows are scattered (blocks of the paged cache, KV heads interleaved: a head's rows 768 bytes apart
+// at D = 64, Hkv = 3), so the hardware prefetchers miss most of them and the score pass waited on each K row
+// (a third of a 32-sequence offline run on a Xeon with AMX, where the GEMMs had become fast). Rows this far
+// ahead are prefetched.
+static constexpr int64_t kPrefetchRows = 16;
+
+template <typename KV>
+static inline void prefetch_row(const KV* r, int64_t W) {
+  const char* p = reinterpret_cast<const char*>(r);
+  for (int64_t o = 0; o < W * static_cast<int64_t>(sizeof(KV)); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 // One context chunk [t0, t1) for a group of nr query rows of one sequence (rows of a prefill chunk, or a single
 // decode row): same contract as attend_group in paged_decode.cpp. Row r sees positions [t0, min(t1, lens[r]));
 // lens are nondecreasing and lens[0] > t0. Each K/V row is loaded (and widened) once for every row and query
@@ -80,7 +92,19 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
   constexpr int64_t D = 8 * V;
   const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
+  for (int64_t t = t0; t < t1 && t < t0 + kPrefetchRows; ++t) {  // the first rows all at once, not one miss at a time
+    const int64_t at = ((static_cast<int64_t>(bt[t / BS]) * BS + t % BS) * Hkv + h) * W;
+    prefetch_row(kp + at, W);
+    prefetch_row(vp + at, W);
+  }
+  int64_t pblk = (t0 + kPrefetchRows) / BS, poff = (t0 + kPrefetchRows) % BS;  // the row kPrefetchRows ahead
   for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
+    if (t + kPrefetchRows < t1) {  // its K row for this pass, its V row for the next (prefetches: no numerics)
+      const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
+      prefetch_row(kp + at, W);
+      prefetch_row(vp + at, W);
+      if (++poff == BS) { poff = 0; ++pblk; }
+    }
     while (lens[rf] <= t) ++rf;  // rows [rf, nr) see position t
     const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
     if (++off == BS) { off = 0; ++blk; }
