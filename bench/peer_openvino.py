@@ -32,8 +32,8 @@ tokenizer into 128-350 prompt tokens, and 64-128 new tokens each. Both engines g
 pipeline takes ``ov.Tensor`` ids; its tokenizer IR is loaded but not used for the prompts), --threads threads
 (torch.set_num_threads and ``num_threads`` for kvgate, ``INFERENCE_NUM_THREADS`` for OpenVINO), the same
 max_num_batched_tokens and max_num_seqs, prefix caching off, and KV cache for every request at once. Each engine
-keeps its own default precisions unless told (kvgate: ``--quantization auto`` and an fp32 KV cache; OpenVINO on
-the CPU: the CPU plugin's INFERENCE_PRECISION_HINT (f32 without AVX-512 BF16 / AMX) and its u8 KV cache); the
+keeps its own default precisions unless told (kvgate: ``--quantization auto`` and its ``auto`` KV cache, fp16 rows
+for a quantized model on the CPU; OpenVINO on the CPU: the CPU plugin's INFERENCE_PRECISION_HINT (f32 without AVX-512 BF16 / AMX) and its u8 KV cache); the
 table says which ones ran. Timing is the generate call alone, after a short warm-up on each side; the load average
 before and after each run is printed, since the machine may be shared.
 

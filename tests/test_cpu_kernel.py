@@ -38,7 +38,7 @@ def _meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
         max_seq_len=max(lens))
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 16, 8)])
 def test_decode_matches_reference(backend, hq: int, hkv: int, d: int, bs: int,  # type: ignore[no-untyped-def]
                                   kv_dtype: torch.dtype) -> None:
@@ -75,7 +75,7 @@ def _cache(nb: int, bs: int, hkv: int, d: int, dtype: torch.dtype, g: torch.Gene
 
 
 @pytest.mark.parametrize("isa", ["scalar", "auto"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("hq,hkv,lens", [(4, 1, [1000]), (9, 3, [300]), (4, 1, [1000, 1]), (2, 1, [130, 7]),
                                          (8, 2, [128, 129, 256, 257, 511])])
 def test_long_contexts_are_chunked_and_merged_exactly(backend, hq: int, hkv: int,  # type: ignore[no-untyped-def]
@@ -137,7 +137,7 @@ def _others(n: int, nb: int, bs: int, g: torch.Generator) -> tuple[list[list[int
 
 
 @pytest.mark.parametrize("isa", ["scalar", "auto"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(backend, kv_dtype: torch.dtype,  # type: ignore[no-untyped-def]
                                                            isa: str) -> None:
     """kvgate's rule: a row's output is bit-identical alone, among 1..64 rows of other sequences (other lengths,
@@ -193,7 +193,7 @@ def _step(table: list[int], bs: int, start: int, end: int, decode: tuple[list[in
         max_seq_len=max(L for _, L in seqs))
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_a_prompt_attends_the_same_however_it_is_chunked(backend, kv_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """A 300-token prompt through the backend (write_kv, then forward, as a layer does): one cold chunk with
     nothing cached, chunks of 16 or 100 over the cached earlier part (next to another sequence's decode row),
@@ -243,7 +243,7 @@ def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # t
                              meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
     k[1, 0] = 0.0  # scale 0: codes 0, no division by zero
     v[2, 1] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5, -63.5, 3.0, 0.25])  # scale 1: ties round to even
-    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
         w = kv_quant.row_width(d, dtype)
         caches = [torch.zeros(nb, bs, hkv, w, dtype=dtype) for _ in range(4)]
         backend.write_kv(k, v, caches[0], caches[1], meta)

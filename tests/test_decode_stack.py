@@ -114,8 +114,8 @@ def test_speculative_verify_steps_run_in_the_stack(stack_kernel: Any, quantizati
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
-def test_stack_runs_over_bf16_and_int8_caches(stack_kernel: Any, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "int8"])
+def test_stack_runs_over_bf16_fp16_and_int8_caches(stack_kernel: Any, kv_dtype: str) -> None:
     # The kernels write and read these caches (write_kv rounds as kv_quant does): the stack runs every decode
     # step and matches the module path bit for bit, logits, tokens and cache bytes.
     hf = hf_model(seed=2)
@@ -128,9 +128,13 @@ def test_stack_runs_over_bf16_and_int8_caches(stack_kernel: Any, kv_dtype: str) 
         assert ka.dtype == getattr(torch, kv_dtype) and torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def test_stack_leaves_steps_it_cannot_run_to_the_modules(stack_kernel: Any) -> None:
-    # An fp16 KV cache has no C++ path (the reference writes and reads it): the stack must not run, and the
-    # engine still decodes (through the modules).
+def test_stack_leaves_steps_it_cannot_run_to_the_modules(stack_kernel: Any, monkeypatch: Any) -> None:
+    # A KV cache dtype the stack's kernels do not read (every CPU cache dtype has a C++ path now, so fp16 is
+    # taken away from the stack's list here): the stack must not run, and the engine still decodes (through
+    # the modules).
+    import workers.models.decode_stack as ds
+
+    monkeypatch.setattr(ds, "KERNEL_CACHE_DTYPES", tuple(d for d in ds.KERNEL_CACHE_DTYPES if d != torch.float16))
     eng = _engine(hf_model(seed=2), "int8", kv_dtype="float16")
     _, tokens, calls = _record(eng, use_stack=True)
     assert calls == 0

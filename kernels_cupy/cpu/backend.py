@@ -18,7 +18,7 @@ from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.torch_ref import TorchAttentionBackend
 
 # Cache dtypes the C++ kernels both write (write_kv) and read (paged_decode).
-KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

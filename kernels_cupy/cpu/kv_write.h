@@ -1,5 +1,5 @@
 // The step's new K and V rows into their paged cache slots, for every cache dtype the CPU kernels read:
-// fp32 (copied), bf16 (rounded to nearest even, as torch's .to(bfloat16)) and int8 (kernels_cupy/kv_quant.py:
+// fp32 (copied), bf16 and fp16 (rounded to nearest even, as torch's .to()) and int8 (kernels_cupy/kv_quant.py:
 // D codes, then the row's fp32 scale). Each row is rounded with kv_quant.quantize's arithmetic, operation for
 // operation (fp32 max of |x|, scale = max / 127, inverse 1 / scale or 0, codes = nearbyint(x * inverse)
 // clamped to +-127), so the module path, the decode stack and the torch reference write identical bytes.
@@ -18,6 +18,10 @@ static inline void store(const float* x, float* dst, int64_t d) { std::memcpy(ds
 
 static inline void store(const float* x, at::BFloat16* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = c10::BFloat16(x[i]);  // round to nearest even, as torch
+}
+
+static inline void store(const float* x, at::Half* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = c10::Half(x[i]);  // round to nearest even, as torch
 }
 
 // dst: d codes, then the 4 bytes of the fp32 scale (the row is d + 4 int8).
@@ -54,8 +58,8 @@ static void rows(const torch::Tensor& key, const torch::Tensor& value, torch::Te
 
 }  // namespace kv_write
 
-// key, value: (T, Hkv, D) fp32 (any strides: rows of the fused qkv projection); caches (NB, BS, Hkv, W): fp32 or
-// bf16 (W = D), or int8 (W = D + 4); slots: (T,) int64 flat slot = block * BS + offset. One call per layer
+// key, value: (T, Hkv, D) fp32 (any strides: rows of the fused qkv projection); caches (NB, BS, Hkv, W): fp32,
+// bf16 or fp16 (W = D), or int8 (W = D + 4); slots: (T,) int64 flat slot = block * BS + offset. One call per layer
 // instead of the reference's conversion and two index_copy_ with their views and dtype checks.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
@@ -75,7 +79,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   switch (k_cache.scalar_type()) {
     case torch::kFloat32: kv_write::rows<float>(key, value, k_cache, v_cache, sp, W); break;
     case torch::kBFloat16: kv_write::rows<at::BFloat16>(key, value, k_cache, v_cache, sp, W); break;
+    case torch::kHalf: kv_write::rows<at::Half>(key, value, k_cache, v_cache, sp, W); break;
     case torch::kInt8: kv_write::rows<int8_t>(key, value, k_cache, v_cache, sp, W); break;
-    default: TORCH_CHECK(false, "KV cache must be fp32, bf16 or int8");
+    default: TORCH_CHECK(false, "KV cache must be fp32, bf16, fp16 or int8");
   }
 }

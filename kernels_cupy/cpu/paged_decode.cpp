@@ -37,9 +37,9 @@ static inline void axpy(float* acc, const float* x, float p, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * x[i];
 }
 
-// A K/V row as fp32 times a row scale (*scale): fp32 rows are used in place (scale 1); bf16 rows (a cache
-// stored at half the bytes, which is what decode on a CPU is bound by) are widened into `tmp` (bf16 -> fp32
-// is a 16-bit shift); int8 rows (kernels_cupy/kv_quant.py: D codes, then the row's fp32 scale) have their
+// A K/V row as fp32 times a row scale (*scale): fp32 rows are used in place (scale 1); bf16 and fp16 rows (a
+// cache stored at half the bytes, which is what decode on a CPU is bound by) are widened into `tmp` (bf16 -> fp32
+// is a 16-bit shift; fp16 -> fp32 exact); int8 rows (kernels_cupy/kv_quant.py: D codes, then the row's fp32 scale) have their
 // codes widened into `tmp` and their scale returned, which the caller folds into the score or the softmax
 // weight, so a row is de-quantized on the fly in L1 and no de-quantized copy of the context is ever made.
 static inline const float* row_f32(const float* src, float*, int64_t, float* scale) {
@@ -55,6 +55,12 @@ static inline const float* row_f32(const at::BFloat16* src, float* tmp, int64_t 
     std::memcpy(&f, &bits, sizeof f);
     tmp[i] = f;
   }
+  *scale = 1.f;
+  return tmp;
+}
+
+static inline const float* row_f32(const at::Half* src, float* tmp, int64_t d, float* scale) {
+  for (int64_t i = 0; i < d; ++i) tmp[i] = static_cast<float>(src[i]);  // exact: every fp16 is an fp32
   *scale = 1.f;
   return tmp;
 }
@@ -366,7 +372,7 @@ static void run_split(const Call<KV>& c) {
 }
 
 // q:            (N, Hq, D)        fp32, contiguous
-// k_cache:      (NB, BS, Hkv, W)  fp32 or bf16 (W = D), or int8 (W = D + 4: codes, then the fp32 scale)
+// k_cache:      (NB, BS, Hkv, W)  fp32, bf16 or fp16 (W = D), or int8 (W = D + 4: codes, then the fp32 scale)
 // v_cache:      (NB, BS, Hkv, W)  same dtype and shape as k_cache
 // block_tables: (N, MAXB)         int32, physical block ids
 // seq_lens:     (N,)              int32, context length of each row (1 <= L <= MAXB * BS)
@@ -410,10 +416,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   } else if (k_cache.dtype() == torch::kBFloat16) {
     paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else if (k_cache.dtype() == torch::kHalf) {
+    paged_decode_impl<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   } else if (k_cache.dtype() == torch::kInt8) {
     paged_decode_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   } else {
-    TORCH_CHECK(false, "KV cache must be fp32, bf16 or int8");
+    TORCH_CHECK(false, "KV cache must be fp32, bf16, fp16 or int8");
   }
   return out;
 }

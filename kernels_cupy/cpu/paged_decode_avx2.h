@@ -22,13 +22,23 @@ static inline __m256 load8(const at::BFloat16* r) {  // bf16 -> fp32 is a 16-bit
   const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(u), 16));
 }
+static inline __m256 load8(const at::Half* r) {  // F16C (every AVX2 CPU has it; -march=native defines it)
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(r[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
 static inline __m256 load8(const int8_t* r) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r))));
 }
 
-// The row's scale: 1 for fp32/bf16; an int8 row carries its fp32 scale after its D codes.
+// The row's scale: 1 for fp32/bf16/fp16; an int8 row carries its fp32 scale after its D codes.
 static inline float row_scale(const float*, int64_t) { return 1.f; }
 static inline float row_scale(const at::BFloat16*, int64_t) { return 1.f; }
+static inline float row_scale(const at::Half*, int64_t) { return 1.f; }
 static inline float row_scale(const int8_t* r, int64_t d) {
   float s;
   std::memcpy(&s, r + d, sizeof s);

@@ -81,7 +81,7 @@ class DecodeStack:
              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this step is one the stack computes exactly as the module path would: the CPU backend, which
         runs every query row as a decode row (decodes, prefill and verify chunks of any length, cached prefix or
-        not), fp32 activations, a KV cache the kernels write and read (fp32, bf16, int8)."""
+        not), fp32 activations, a KV cache the kernels write and read (fp32, bf16, fp16, int8)."""
         if not (isinstance(backend, CpuAttentionBackend) and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.shape[0] > 0):
             return False
