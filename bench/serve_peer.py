@@ -122,6 +122,10 @@ def ratio(num: dict[str, Any], den: dict[str, Any], key: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default="/tmp/llama-server-build/bin/llama-server")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server flags, e.g. '--no-repack' (its AMX weight repacking of ggml 0.3.36's "
+                         "vendored llama.cpp crashes on Q4_1 at load, SIGSEGV in ggml_backend_amx_mul_mat, on a Xeon "
+                         "with AMX-INT8)")
     ap.add_argument("--llama-python", default="/tmp/llamacpp-venv/bin/python",
                     help="llama-cpp-python's venv for bench/peer_llamacpp.py's single stream (skipped if absent)")
     ap.add_argument("--single-modes", default="none,int4", help="kvgate modes of the single-stream comparison")
