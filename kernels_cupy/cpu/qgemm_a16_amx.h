@@ -25,7 +25,7 @@ using vnni::QK;
 static constexpr int64_t kChunk = 32;         // columns a pass: two halves of 16
 // Bytes of C a block: (lo, hi) x 2 halves x 16 x 16 int32 = 4 KB, plus 3 cache lines: at a 4 KB stride every
 // block of a row would sit in one L1 set and its loads would wait on the tile stores of the next job to the
-// same low 12 address bits (4K aliasing): 2x the epilogue time.
+// same low 12 address bits (4K aliasing): the padding took 8% off a whole call (bench/RESULTS.md).
 static constexpr int64_t kBlockTiles = 4096 + 192;
 static constexpr int64_t kBlockW = 1024;      // bytes of B a block: 2 halves x 8 rows x 64
 

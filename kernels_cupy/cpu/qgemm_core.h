@@ -47,7 +47,7 @@ struct QArgs {
 // The A16 kernel's arguments (qgemm_a16.h): int16 activations in its pair layout (SIMD) or natural order (scalar).
 struct QArgs16 {
   int64_t M, N, K, bits;
-  const int16_t* qa;   // (M, qs) activation codes; qs >= (K/32 rounded up to 2) * 32
+  const int16_t* qa;   // (a16_code_rows(M), qs) activation codes; qs >= (K/32 rounded up to 8) * 32
   int64_t qs;          // row stride of qa, in int16
   const float* sa;     // (M, ss) activation scales, ss = K/32 rounded up to 8, zero past K/32
   const float* xsum;   // (M, ss) scale * sum of the block's codes, zero past K/32
