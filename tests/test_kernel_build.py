@@ -77,3 +77,50 @@ def test_flags_and_sources_key_the_build_dir(src: Path) -> None:
     assert build_key([src], [], ["-O3"], []) != k  # other flags build elsewhere instead of overwriting
     src.write_text(_SRC + "\n// changed\n")
     assert build_key([src], [], _FLAGS, []) != k
+
+
+_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC Processor
+flags\t\t: fpu sse sse2 avx avx2 fma{extra}
+
+processor\t: 1
+model name\t: AMD EPYC Processor
+flags\t\t: fpu sse sse2 avx avx2 fma{extra}
+"""
+
+
+def test_native_builds_are_keyed_by_the_cpu_flags_not_its_name(tmp_path: Path, src: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Zen 1, 3 and 4 all report "AMD EPYC Processor": a -march=native build keyed by that name was reused by an
+    # AVX2-only host after an AVX-512 one built it (SIGILL). The feature flags tell them apart.
+    import kernels_cupy.cpu.build as build
+
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(build, "_CPUINFO", info)
+    native = ["-O3", "-march=native"]
+
+    def key(extra: str, flags: list[str]) -> str:
+        info.write_text(_CPUINFO.format(extra=extra))
+        build.cpu_identity.cache_clear()
+        return build_key([src], [], flags, [])
+
+    zen3, zen4 = key("", native), key(" avx512f avx512bw avx512_vnni", native)
+    assert zen3 != zen4
+    assert key("", native) == zen3  # the same CPU finds its own build again
+    assert key("", _FLAGS) == key(" avx512f", _FLAGS)  # portable builds (run-time dispatch) are shared
+
+
+def test_a_native_build_made_for_another_cpu_is_refused(tmp_path: Path, src: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run-time check behind the key: a build directory whose stamp names other CPU flags (copied in, or a
+    # key that collided) is never loaded; the caller falls back to the reference path.
+    import kernels_cupy.cpu.build as build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    native = ["-O0", "-march=native"]
+    d = build_dir("kvgate_test_ext", build_key([src], [], native, []))
+    d.mkdir(parents=True)
+    (d / build.CPU_STAMP).write_text("flags\t\t: fpu sse sse2 avx avx2 avx512f avx512_vnni amx_int8")
+    with pytest.raises(RuntimeError, match="built for another CPU"):
+        build.load_extension("kvgate_test_ext", [src], cflags=native, ldflags=[])

@@ -9,8 +9,12 @@ each other's build and rebuild in turn.
 So each extension gets:
 
 - one build directory per *content key* (sources and headers with their paths, flags, torch and Python
-  versions, and the CPU model where ``-march=native`` is used): different flags can never share, hence never alternate rebuilds;
-  the key also means a new version of a kernel never loads a stale binary;
+  versions, and where ``-march=native`` is used the CPU's model name *and feature flags*): different flags can
+  never share, hence never alternate rebuilds; the key also means a new version of a kernel never loads a stale
+  binary. Keyed by the model name alone, Zen 1, 3 and 4 ("AMD EPYC Processor" all) shared one native build, and
+  an AVX2 host sharing a cache with an AVX-512 one died of SIGILL;
+- for a native build, a stamp of the CPU identity it was built for (``CPU_STAMP``), checked before loading: a
+  build directory for other CPU flags is refused (the caller falls back) rather than run;
 - an ``fcntl.flock`` around the whole load: the kernel releases it when its holder dies, so it cannot go
   stale; it is taken with a deadline (``KVGATE_KERNEL_BUILD_TIMEOUT`` seconds, default 600) so a live but
   stuck builder makes the caller fall back to the reference path instead of hanging;
@@ -21,6 +25,7 @@ So each extension gets:
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -43,14 +48,25 @@ def extensions_root() -> Path:
     return Path(base) / "kvgate"
 
 
-def _cpu_model() -> str:
+_CPUINFO = Path("/proc/cpuinfo")
+CPU_STAMP = "cpu_identity"  # in a native build's directory: the cpu_identity() it was built for
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """The first CPU's model name and feature flags (what ``-march=native`` compiles for), else the platform's
+    processor string."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line  # first of the two; enough to tell machines apart for -march=native
+        lines = _CPUINFO.read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    name = next((ln for ln in lines if ln.startswith("model name")), "")
+    flags = next((ln for ln in lines if ln.startswith("flags")), "")
+    return f"{name}\n{flags}" if name or flags else platform.processor()
+
+
+def _native(cflags: list[str]) -> bool:
+    return any("march=native" in f for f in cflags)
 
 
 def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str]) -> str:
@@ -64,8 +80,8 @@ def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldfla
         h.update(str(p.resolve()).encode())
         h.update(p.read_bytes())
     h.update(repr((cflags, ldflags, torch.__version__, sys.version_info[:2])).encode())
-    if any("march=native" in f for f in cflags):
-        h.update(_cpu_model().encode())
+    if _native(cflags):
+        h.update(cpu_identity().encode())
     return h.hexdigest()[:16]
 
 
@@ -102,6 +118,12 @@ def load_extension(name: str, sources: list[Path], *, headers: list[Path] | None
         stale = out / "lock"  # torch's FileBaton file: nobody else can be inside this directory now
         if stale.exists():
             stale.unlink()
+        if _native(cflags):
+            stamp = out / CPU_STAMP
+            if stamp.exists() and stamp.read_text() != cpu_identity():
+                built_for = (stamp.read_text().splitlines() or [""])[0]
+                raise RuntimeError(f"{out} was built for another CPU ({built_for!r}); not loading it")
+            stamp.write_text(cpu_identity())
         include = sorted({str(p.parent) for p in headers})
         return _load(name=name, sources=[str(s) for s in sources], extra_include_paths=include,
                      extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(out), verbose=False)
