@@ -1,0 +1,48 @@
+"""A wheel built from the repo carries the C++ CPU kernel sources, and installed outside the repo it runs the
+kernel paths, not the slow fallback (issue 27 item 5: package data once listed only the CUDA sources, so an
+installed kvgate silently ran de-quantized fp32 linears and the torch attention reference)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[1]
+# The quantized linear and the attention kernel (the decode stack builds from the same files).
+_CHECK = """
+import sys, kernels_cupy.cpu as cpu
+from kernels_cupy.cpu.qgemm import load_qgemm
+assert cpu.__file__.startswith(sys.argv[1]), cpu.__file__  # the installed copy, not the checkout
+print("qgemm", load_qgemm() is not None, "attention", cpu.load() is not None)
+"""
+# Not copied for the build: setuptools builds in the source tree (build/, *.egg-info), so it gets a copy.
+_SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache",
+                               "node_modules", "kvgate.db*")
+
+
+@pytest.mark.timeout(1800)  # two kernel builds from the installed sources: minutes on a slow, loaded CPU
+def test_the_wheel_carries_and_runs_the_cpu_kernels(tmp_path: Path) -> None:
+    src, wheels = tmp_path / "src", tmp_path / "wheels"
+    shutil.copytree(_REPO, src, ignore=_SKIP)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(src)], check=True, capture_output=True, timeout=600, cwd=tmp_path)
+    (whl,) = wheels.glob("kvgate-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    cpu_sources = {p.relative_to(_REPO).as_posix() for p in (_REPO / "kernels_cupy" / "cpu").iterdir()
+                   if p.suffix in (".cpp", ".h")}
+    assert cpu_sources and cpu_sources <= names, sorted(cpu_sources - names)
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],
+                   check=True, capture_output=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", _CHECK, str(site)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "qgemm True attention True" in out.stdout, out.stdout + out.stderr[-3000:]
