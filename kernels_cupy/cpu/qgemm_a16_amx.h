@@ -1,4 +1,4 @@
-// The A16 kernel on Intel AMX (AMX-INT8 tiles) for calls of kAmxRows rows or more, where the CPU has AMX and
+// The A16 kernel on Intel AMX (AMX-INT8 tiles) for calls of kAmxRows (4) rows or more, where the CPU has AMX and
 // Linux grants the tile state (qgemm_core.h, amx_on). Included once, inside qgemm_core.h's namespace amx and a
 // `#pragma GCC target` region with AVX-512 and AMX; no STL. Uses the vnni namespace's A16 helpers.
 //
@@ -37,13 +37,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: C (lo h0, hi h0, lo h1, hi h1), 16 x 64 bytes; 4, 5: A (lo, hi), 16 x 32; 6, 7: B (h0, h1), 8 x 64.
-static inline void configure_tiles() {
+// Tiles 0-3: C (lo h0, hi h0, lo h1, hi h1), rows x 64 bytes; 4, 5: A (lo, hi), rows x 32; 6, 7: B (h0, h1),
+// 8 x 64. rows < 16 for a call's last, part-filled row tile: its tile instructions then do that much work.
+static inline void configure_tiles(int rows) {
   TileConfig c;
   std::memset(&c, 0, sizeof c);
   c.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    c.rows[t] = t < 6 ? 16 : 8;
+    c.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 8);
     c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
   }
   _tile_loadconfig(&c);
@@ -204,7 +205,8 @@ static void gemm16_tiles(const QArgs16& a, int64_t n0, int64_t n1) {
   auto wt = [&](int64_t i) { return reinterpret_cast<uint8_t*>(buf + i * slot); };
   auto cb = [&](int64_t i) { return reinterpret_cast<int32_t*>(buf + i * slot + nb * kBlockW); };
   auto dv = [&](int64_t i) { return reinterpret_cast<float*>(buf + i * slot + nb * (kBlockW + kBlockTiles)); };
-  configure_tiles();
+  int rows = 16;
+  configure_tiles(rows);
   Job prev{0, 0, 0, nullptr, nullptr, nullptr};
   bool have_prev = false;
   int64_t ci = 0, ji = 0;  // chunks and jobs so far: their parity picks the buffers
@@ -213,6 +215,8 @@ static void gemm16_tiles(const QArgs16& a, int64_t n0, int64_t n1) {
     pack_chunk<Q4>(a, n, cn, wt(ws), dv(ws), dv(ws) + 2 * nb * 16);
     for (int64_t m0 = 0; m0 < a.M; m0 += 16, ++ji) {
       const Job job{m0, n, cn, dv(ws), dv(ws) + 2 * nb * 16, cb(ji & 1)};
+      const int tr = static_cast<int>(a.M - m0 < 16 ? a.M - m0 : 16);
+      if (tr != rows) configure_tiles(rows = tr);  // (a new configuration clears the tiles: none is live here)
       for (int64_t b = 0; b < nb; ++b) {
         block_tiles<Q4>(a, m0, b, wt(ws), cb(ji & 1));
         if (have_prev) epilogue_units<Q4>(a, prev, b * 32 / nb, (b + 1) * 32 / nb);

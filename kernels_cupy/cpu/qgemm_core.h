@@ -63,8 +63,9 @@ struct QArgs16 {
 static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
 // From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16_lanes.h), below it the pair layout (qgemm_a16.h).
 static constexpr int64_t kLaneRows = 4;
-// From this many rows the A16 kernel runs on AMX tiles where amx_on() (below).
-static constexpr int64_t kAmxRows = 16;
+// From this many rows the A16 kernel runs on AMX tiles where amx_on() (below): a part-filled tile costs about
+// its rows, and from 4 rows the tiles beat the 512-bit lane loop (M = 8: 1.6-1.75x; bench/RESULTS.md).
+static constexpr int64_t kAmxRows = 4;
 // Rows of the A16 codes buffer for M rows: whole AMX tiles of 16 (the last tile reads rows past M).
 static inline int64_t a16_code_rows(int64_t M) { return (M + 15) / 16 * 16; }
 static inline int64_t a16_scale_stride(int64_t K) { return (K / 32 + 7) / 8 * 8; }
