@@ -120,9 +120,10 @@ def load_extension(name: str, sources: list[Path], *, headers: list[Path] | None
             stale.unlink()
         if _native(cflags):
             stamp = out / CPU_STAMP
-            if stamp.exists() and stamp.read_text() != cpu_identity():
-                built_for = (stamp.read_text().splitlines() or [""])[0]
-                raise RuntimeError(f"{out} was built for another CPU ({built_for!r}); not loading it")
+            built_for = stamp.read_text() if stamp.exists() else cpu_identity()
+            if built_for != cpu_identity():
+                first = (built_for.splitlines() or [""])[0]
+                raise RuntimeError(f"{out} was built for another CPU ({first!r}); not loading it")
             stamp.write_text(cpu_identity())
         include = sorted({str(p.parent) for p in headers})
         return _load(name=name, sources=[str(s) for s in sources], extra_include_paths=include,

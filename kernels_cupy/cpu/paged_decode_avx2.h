@@ -102,19 +102,18 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
   constexpr int64_t D = 8 * V;
   const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
-  for (int64_t t = t0; t < t1 && t < t0 + kPrefetchRows; ++t) {  // the first rows all at once, not one miss at a time
-    const int64_t at = ((static_cast<int64_t>(bt[t / BS]) * BS + t % BS) * Hkv + h) * W;
+  // Prefetch cursor (pt its position): K row for this pass, V row for the next (prefetches: no numerics).
+  int64_t pt = t0, pblk = blk, poff = off;
+  auto prefetch_next = [&] {
+    const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
     prefetch_row(kp + at, W);
     prefetch_row(vp + at, W);
-  }
-  int64_t pblk = (t0 + kPrefetchRows) / BS, poff = (t0 + kPrefetchRows) % BS;  // the row kPrefetchRows ahead
+    if (++poff == BS) { poff = 0; ++pblk; }
+    ++pt;
+  };
+  while (pt < t1 && pt < t0 + kPrefetchRows) prefetch_next();  // the first rows all at once, not a miss at a time
   for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
-    if (t + kPrefetchRows < t1) {  // its K row for this pass, its V row for the next (prefetches: no numerics)
-      const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
-      prefetch_row(kp + at, W);
-      prefetch_row(vp + at, W);
-      if (++poff == BS) { poff = 0; ++pblk; }
-    }
+    if (pt < t1) prefetch_next();  // the row kPrefetchRows ahead
     while (lens[rf] <= t) ++rf;  // rows [rf, nr) see position t
     const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
     if (++off == BS) { off = 0; ++blk; }

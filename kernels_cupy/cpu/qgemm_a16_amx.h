@@ -50,6 +50,11 @@ static inline void configure_tiles(int rows) {
   _tile_loadconfig(&c);
 }
 
+// The live columns of a half of 16 whose first w columns are real (w may be <= 0 or >= 16).
+static inline __mmask16 half_mask(int64_t w) {
+  return static_cast<__mmask16>(w >= 16 ? 0xFFFFu : w <= 0 ? 0u : (1u << w) - 1u);
+}
+
 // Rows r0 .. r0+rows-1 of the call (x, sa, xsum at row r0; q at row 0) -> their codes' bytes in the A tiles
 // (above), sa and xsum (rows, ss) zero-padded (numerics 1).
 static void quantize_rows16_tiles(const float* x, int64_t rows, int64_t r0, int64_t K, int16_t* q, int64_t qs,
@@ -80,14 +85,12 @@ template <bool Q4>
 static void pack_chunk(const QArgs16& a, int64_t n, int64_t cn, uint8_t* wt, float* dv, float* mv) {
   const int64_t nb = a.K / QK, row = Q4 ? a.K / 2 : a.K;  // bytes a weight row
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i cols = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(row)));     // a column's codes
+  const __m512i scl = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(2 * nb)));  // its fp16 scales
   for (int64_t h = 0; 16 * h < kChunk; ++h) {
-    const int64_t w = cn - 16 * h;  // live columns of this half
-    const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFFu : w <= 0 ? 0u : (1u << w) - 1u);
+    const __mmask16 keep = half_mask(cn - 16 * h);
     const int64_t c0 = n + 16 * h;
-    const __m512i cols = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(row)));
-    const __m512i scl = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(static_cast<int>(2 * nb)));  // bytes a scale row
     const uint8_t* wq = a.wq + (keep ? c0 * row : 0);
     for (int64_t b = 0; b < nb; ++b) {
       __m512i* t = reinterpret_cast<__m512i*>(wt + b * kBlockW + 512 * h);  // 8 rows of 64 bytes
@@ -188,9 +191,9 @@ struct Job {
 template <bool Q4>
 static inline void epilogue_units(const QArgs16& a, const Job& j, int64_t u0, int64_t u1) {
   for (int64_t u = u0; u < u1; ++u) {
-    const int64_t h = u / 16, r = u % 16, w = j.cn - 16 * h;
-    if (w <= 0 || j.m0 + r >= a.M) continue;
-    const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFFu : (1u << w) - 1u);
+    const int64_t h = u / 16, r = u % 16;
+    const __mmask16 keep = half_mask(j.cn - 16 * h);
+    if (!keep || j.m0 + r >= a.M) continue;
     epilogue_row<Q4>(a, j.cb, j.dv, j.mv, j.m0 + r, r, h, j.n, keep);
   }
 }
@@ -205,6 +208,7 @@ static void gemm16_tiles(const QArgs16& a, int64_t n0, int64_t n1) {
   auto wt = [&](int64_t i) { return reinterpret_cast<uint8_t*>(buf + i * slot); };
   auto cb = [&](int64_t i) { return reinterpret_cast<int32_t*>(buf + i * slot + nb * kBlockW); };
   auto dv = [&](int64_t i) { return reinterpret_cast<float*>(buf + i * slot + nb * (kBlockW + kBlockTiles)); };
+  auto mv = [&](int64_t i) { return dv(i) + 2 * nb * 16; };
   int rows = 16;
   configure_tiles(rows);
   Job prev{0, 0, 0, nullptr, nullptr, nullptr};
@@ -212,9 +216,9 @@ static void gemm16_tiles(const QArgs16& a, int64_t n0, int64_t n1) {
   int64_t ci = 0, ji = 0;  // chunks and jobs so far: their parity picks the buffers
   for (int64_t n = n0; n < n1; n += kChunk, ++ci) {
     const int64_t cn = n + kChunk < n1 ? kChunk : n1 - n, ws = ci & 1;
-    pack_chunk<Q4>(a, n, cn, wt(ws), dv(ws), dv(ws) + 2 * nb * 16);
+    pack_chunk<Q4>(a, n, cn, wt(ws), dv(ws), mv(ws));
     for (int64_t m0 = 0; m0 < a.M; m0 += 16, ++ji) {
-      const Job job{m0, n, cn, dv(ws), dv(ws) + 2 * nb * 16, cb(ji & 1)};
+      const Job job{m0, n, cn, dv(ws), mv(ws), cb(ji & 1)};
       const int tr = static_cast<int>(a.M - m0 < 16 ? a.M - m0 : 16);
       if (tr != rows) configure_tiles(rows = tr);  // (a new configuration clears the tiles: none is live here)
       for (int64_t b = 0; b < nb; ++b) {
