@@ -159,6 +159,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
             gm = GatewayMetrics(cfg.model_name)
             pool = WorkerPool(sock, cfg.model_name, cfg.timing, cfg.admission,
                               lambda: supervisor.restart_eta() if supervisor is not None else None, gm)
+            if worker_auth is not None:
+                pool.identities.authorize = worker_auth.keyring.refusal  # worker ids bound to keys
             await outer.start(pool.run)
             if cfg.workers:
                 supervisor = Supervisor(pool, cfg.workers, zmq_addr, model_dir, cfg.model_name, cfg.engine,
@@ -167,6 +169,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                                         log_format=cfg.observability.log_format,
                                         extra_env=worker_auth.local_worker_env() if worker_auth else None)
                 pool.kill_local = supervisor.kill  # a frozen or hung local worker is killed and restarted
+                if worker_auth is not None:
+                    worker_auth.keyring.local_ids = frozenset(supervisor.worker_ids())
                 await outer.start(supervisor.run)
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
             app = create_app(state)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 5  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 6  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
-# 5: speculative-decoding counters in Stats
+# 5: speculative-decoding counters in Stats; 6: Refused
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -159,6 +159,14 @@ class Goodbye:
     reason: str
 
 
-GatewayToWorker = Generate | Abort | Drain | Shutdown
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The gateway will not take this worker (its key may not serve the worker id it claims): why, for its log.
+    Sent only over the refused peer's own connection; the worker exits."""
+
+    reason: str
+
+
+GatewayToWorker = Generate | Abort | Drain | Shutdown | Refused
 WorkerToGateway = Hello | StepOutputs | Stats | RequestError | Goodbye
 Message = GatewayToWorker | WorkerToGateway

@@ -8,6 +8,7 @@ The Trio side (the gateway's ROUTER) is ``ipc.transport``, which builds on the o
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Final
 
 import zmq
@@ -32,7 +33,8 @@ DEFAULT_HEARTBEAT_IVL_MS: Final = 1000
 DEFAULT_HEARTBEAT_TIMEOUT_MS: Final = 5000
 # Back off reconnects up to this, so a restarting gateway is not hammered by every worker at 10 Hz.
 DEFAULT_RECONNECT_IVL_MAX_MS: Final = 5000
-# A worker id becomes a ZeroMQ routing id: 1..255 bytes, and ids starting with NUL are reserved by libzmq.
+# A worker id travels in Hello and Stats: 1..255 UTF-8 bytes, not starting with NUL (libzmq's reserved ids:
+# ids were routing ids before protocol 6, and an id that cannot be one would confuse anyone reading a capture).
 _MAX_IDENTITY_BYTES: Final = 255
 
 
@@ -51,17 +53,26 @@ def configure_socket(sock: zmq.Socket[bytes], sndhwm: int, rcvhwm: int, heartbea
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)  # + room for the routing-id frame
 
 
-def _identity_bytes(worker_id: str) -> bytes:
+def check_worker_id(worker_id: str) -> None:
     identity = worker_id.encode()
     if not 0 < len(identity) <= _MAX_IDENTITY_BYTES or identity.startswith(b"\x00"):
         raise ValueError(f"worker id must be 1..{_MAX_IDENTITY_BYTES} UTF-8 bytes, not starting with NUL")
-    return identity
+
+
+def connection_routing_id() -> bytes:
+    """A fresh routing id for one worker socket: 128 random bits as hex, never the worker id. The ROUTER
+    delivers to whichever connection last presented a routing id (ROUTER_HANDOVER), so a routing id anyone
+    could name (a worker id is in logs, metrics and admin pages) would let a peer holding another listed key
+    connect under it and receive the prompts meant for that worker. Under CURVE the routing id travels
+    encrypted, so only the socket that made it can present it; the gateway maps it to the worker id of the
+    Hello it carried, and checks that worker id against the connection's key (gateway.fleet.worker_auth)."""
+    return b"c" + secrets.token_hex(16).encode()  # never starts with NUL (reserved by libzmq)
 
 
 def worker_dealer(
     ctx: zmq.Context[Any],
     connect_addr: str,
-    identity: str,
+    worker_id: str,
     *,
     sndhwm: int = DEFAULT_SNDHWM,
     rcvhwm: int = DEFAULT_RCVHWM,
@@ -69,11 +80,13 @@ def worker_dealer(
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     curve: ClientCurve | None = None,
 ) -> zmq.Socket[bytes]:
-    """Connect a worker's DEALER (a blocking socket for the synchronous worker loop), its id as identity;
-    with ``curve`` as a CURVE client of the gateway whose public key it names."""
+    """Connect a worker's DEALER (a blocking socket for the synchronous worker loop) under a routing id of its
+    own (``connection_routing_id``; ``worker_id`` is only checked here: it travels in Hello); with ``curve`` as
+    a CURVE client of the gateway whose public key it names."""
+    check_worker_id(worker_id)
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     try:
-        sock.setsockopt(zmq.ROUTING_ID, _identity_bytes(identity))  # must be set before connect
+        sock.setsockopt(zmq.ROUTING_ID, connection_routing_id())  # must be set before connect
         configure_socket(sock, sndhwm, rcvhwm, heartbeat_ivl_ms, heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, DEFAULT_RECONNECT_IVL_MAX_MS)
         if curve is not None:

@@ -141,12 +141,17 @@ class TrioZmqSocket:
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one multipart message (ZeroMQ delivers all parts or none)."""
+        return [f.bytes for f in await self.recv_frames()]
+
+    async def recv_frames(self) -> list[zmq.Frame]:
+        """``recv_multipart`` as ``zmq.Frame`` objects, which carry the connection's properties (the ZAP
+        User-Id: ``frame.get("User-Id")``)."""
         with self._exclusive("recv"):
             await trio.lowlevel.checkpoint_if_cancelled()
             while True:
                 self._check_open()
                 try:
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     break
                 except zmq.Again:
                     await self._wait_for(zmq.POLLIN)
@@ -320,7 +325,23 @@ def _as_worker_message(frames: list[bytes]) -> tuple[bytes, WorkerToGateway] | N
 
 async def router_recv(sock: TrioZmqSocket) -> tuple[bytes, WorkerToGateway]:
     """Next valid message and its sender's identity. Malformed frames are logged and skipped, never raised."""
+    identity, msg, _ = await router_recv_from(sock)
+    return identity, msg
+
+
+async def router_recv_from(sock: TrioZmqSocket) -> tuple[bytes, WorkerToGateway, str | None]:
+    """``router_recv`` plus the sender's User-Id: under CURVE the Z85 public key its connection authenticated
+    with (set by the ZAP handler, so a peer cannot choose it); None on a plain socket."""
     while True:
-        received = _as_worker_message(await sock.recv_multipart())
+        frames = await sock.recv_frames()
+        received = _as_worker_message([f.bytes for f in frames])
         if received is not None:
-            return received
+            return (*received, _user_id(frames[-1]))
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:  # EINVAL: the connection has no such property (no ZAP handler: plain ZeroMQ)
+        return None
+    return value if isinstance(value, str) and value else None

@@ -19,10 +19,11 @@ import zmq
 
 from gateway.config import GatewayConfig
 from gateway.fleet.worker_auth import WorkerKeyring, WorkerSecurity
-from ipc.codec import encode
-from ipc.curve import ClientCurve, KeyPair, is_local_endpoint, load_key_pair, load_public_key
-from ipc.messages import PROTOCOL_VERSION, Hello
+from ipc.codec import decode, encode
+from ipc.curve import ClientCurve, KeyPair, apply_client, is_local_endpoint, load_key_pair, load_public_key
+from ipc.messages import PROTOCOL_VERSION, Hello, Refused
 from ipc.sync_transport import worker_dealer
+from workers.worker import default_worker_id
 from tests.curve_support import (WORKER_START_S, KeySet, complete, kvgate_keys, make_keys, start_worker,
                                  stop_process, wait_for, worker_ids)
 from tests.test_gateway_support import MODEL, REPO, Server, deployment_env, finish_start, free_port, start_server
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> KeySet:
-    return make_keys(tmp_path_factory.mktemp("curve-keys"), listed=("good",), unlisted=("intruder",))
+    return make_keys(tmp_path_factory.mktemp("curve-keys"), listed=("good", "other"), unlisted=("intruder",))
 
 
 # ---- keys and configuration (no server) ------------------------------------------------------------------
@@ -196,3 +197,65 @@ def test_local_workers_join_a_curve_gateway_with_its_own_key(tiny_model_dir: Pat
         assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes()
     finally:
         srv.stop()
+
+
+def test_a_listed_key_cannot_take_over_another_workers_id(
+        gateway_without_workers: tuple[Server, str], tiny_model_dir: Path, tmp_path: Path, keys: KeySet) -> None:
+    """Issue 24 item 1: worker ids are bound to keys. A peer holding another listed key ("other") connects with
+    the serving worker's id ("good") as its ZeroMQ routing id and says Hello as "good": it must neither displace
+    the worker nor receive a frame meant for it (a prompt least of all), and its Hello is refused with a reason."""
+    srv, connect = gateway_without_workers
+    env = deployment_env(srv.secret)
+    ctx: zmq.Context[Any] = zmq.Context()
+    good = start_worker(connect, "good", tiny_model_dir, tmp_path / "good.log", keys, "good", env)
+    thief: zmq.Socket[bytes] | None = None
+    try:
+        finish_start(srv)
+        assert complete(srv, max_tokens=2).status_code == 200
+        other = ClientCurve(load_key_pair(keys.secret("other")), load_public_key(keys.public("gateway")))
+        thief = ctx.socket(zmq.DEALER)
+        thief.setsockopt(zmq.ROUTING_ID, b"good")  # the old routing id of worker "good": a takeover attempt
+        thief.setsockopt(zmq.LINGER, 0)
+        apply_client(thief, other)
+        thief.connect(connect)
+        hello = Hello(PROTOCOL_VERSION, "good", os.getpid(), MODEL, 4096, 16, 1024, 49152, [2], 8, 512)
+        thief.send(encode(hello))
+        wait_for("the gateway to refuse the thief's Hello", lambda: "may not serve as worker good" in srv.log(), 60)
+        for _ in range(4):  # prompts keep going to the real worker
+            r = complete(srv, max_tokens=3)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert worker_ids(srv) == ["good"]
+        got = [decode(f[-1]) for f in _frames(thief)]
+        assert got and all(isinstance(m, Refused) for m in got), got  # told why, and nothing else
+        assert "key other may serve worker ids other and other/*" in got[0].reason
+        assert good.poll() is None
+        # A real worker whose key may not serve the id it was given learns why and exits 1 (a supervisor sees it).
+        stray = start_worker(connect, "other", tiny_model_dir, tmp_path / "stray.log", keys, "good", env)
+        wait_for("the stray worker to exit", lambda: stray.poll() is not None, WORKER_START_S)
+        stray_log = (tmp_path / "stray.log").read_text(errors="replace")
+        assert stray.returncode == 1, stray_log[-3000:]
+        assert "the gateway refused this worker: worker id 'other' refused: key good may serve" in stray_log
+        assert worker_ids(srv) == ["good"] and complete(srv, max_tokens=2).status_code == 200
+    finally:
+        if thief is not None:
+            thief.close(linger=0)
+        ctx.term()
+        stop_process(good)
+
+
+def test_worker_id_binding_rules(keys: KeySet) -> None:
+    """Which ids a key may serve: a listed key NAME serves NAME and NAME/anything; the gateway's own key serves
+    the ids of the workers it starts; without CURVE there is no key and no binding."""
+    local = KeyPair.generate()
+    ring = WorkerKeyring(keys.allowed, frozenset({local.public}))
+    good, other = keys.public_z85("good"), keys.public_z85("other")
+    assert ring.refusal(good, "good") is None and ring.refusal(good, "good/host-1") is None
+    assert ring.refusal(other, "good") is not None and ring.refusal(other, "good/host-1") is not None
+    assert ring.refusal(good, "goodness") is not None and ring.refusal(good, "w0") is not None
+    ring.local_ids = frozenset({"w0", "w1"})
+    assert ring.refusal(local.public.decode(), "w1") is None and ring.refusal(local.public.decode(), "good") is not None
+    assert ring.refusal(None, "good") is not None  # CURVE on, yet no key on the frame: refused, never guessed
+    assert ring.refusal(keys.public_z85("intruder"), "intruder") is not None
+    # kvgate worker's default id is one its key may serve.
+    assert default_worker_id(str(keys.secret("good"))) == f"good/{os.getpid()}"
+    assert default_worker_id(None) == f"worker-{os.getpid()}"

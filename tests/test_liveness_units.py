@@ -50,8 +50,8 @@ async def test_a_worker_that_stops_reading_stalls_only_its_own_sender() -> None:
         async with trio.open_nursery() as nursery:
             stuck_tx, stuck_rx = open_outbox()
             live_tx, live_rx = open_outbox()
-            nursery.start_soon(run_sender, router, b"stuck", stuck_rx, 2.0, failures.append)
-            nursery.start_soon(run_sender, router, b"live", live_rx, 2.0, failures.append)
+            for d, rx in ((stuck, stuck_rx), (live, live_rx)):
+                nursery.start_soon(run_sender, router, d.getsockopt(zmq.ROUTING_ID), rx, 2.0, failures.append)
             # ~5 MB a frame: a few fill the loopback TCP buffers even at their largest (smaller frames keep
             # trickling through as the kernel grows its windows, which is a slow pipe, not a stuck one).
             big = list(range(100_000, 1_100_000))

@@ -15,13 +15,14 @@ import argparse
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generate, GatewayToWorker, Goodbye,
-                          Hello, RequestError, RequestOutputMsg, Shutdown, StepOutputs)
-from ipc.curve import ClientCurve, client_curve
+                          Hello, Refused, RequestError, RequestOutputMsg, Shutdown, StepOutputs)
+from ipc.curve import SECRET_SUFFIX, ClientCurve, client_curve
 from ipc.sync_transport import send, worker_dealer
 from workers import step_sizing
 from workers.core.outputs import StepOutput
@@ -61,6 +62,11 @@ class Worker:
                 self.deadlines.pop(rid, None)
         elif isinstance(msg, Drain):
             self.draining = True
+        elif isinstance(msg, Refused):
+            log.error("the gateway refused this worker: %s; exiting", msg.reason,
+                      extra={"fields": {"event": "worker_refused"}})
+            self.engine.abort(list(self.engine.scheduler.requests))
+            self.stopping = REFUSED
         elif isinstance(msg, Shutdown):
             self.engine.abort(list(self.engine.scheduler.requests))
             self.stopping = "shutdown"
@@ -159,10 +165,20 @@ def hello_for(engine: LLMEngine, worker_id: str, model_name: str) -> Hello:
                  cfg.max_num_batched_tokens)
 
 
+def default_worker_id(key_file: str | None) -> str:
+    """worker-PID; with a key file NAME.key_secret, NAME/PID: an id that key may serve (worker_auth)."""
+    if key_file is None:
+        return f"worker-{os.getpid()}"
+    name = Path(key_file).name
+    return f"{name.removesuffix(SECRET_SUFFIX) if name.endswith(SECRET_SUFFIX) else Path(name).stem}/{os.getpid()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvgate worker", description="run one engine replica")
     p.add_argument("--connect", required=True, help="the gateway's ZeroMQ address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--worker-id", default=f"worker-{os.getpid()}")
+    p.add_argument("--worker-id", default=None,
+                   help="this worker's id (default: worker-PID; with --key NAME.key_secret: NAME/PID, as the "
+                        "gateway lets key NAME serve ids NAME and NAME/*)")
     p.add_argument("--server-key", default=None, metavar="FILE",
                    help="the gateway's public key file (NAME.key): join over ZeroMQ CURVE (with --key)")
     p.add_argument("--key", default=None, metavar="FILE", help="this worker's secret key file (NAME.key_secret)")
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=argparse.SUPPRESS)
     add_engine_args(p)
     a = p.parse_args(argv)
+    if a.worker_id is None:
+        a.worker_id = default_worker_id(a.key)
     setup_logging("INFO", a.log_format)
     try:  # before the model loads: a wrong key file is a quick error, not one after minutes
         curve = client_curve(a.key, a.server_key, os.environ)

@@ -38,7 +38,10 @@ from workers.core.outputs import EngineStats
 log = logging.getLogger("kvgate.worker.io")
 
 STATS_INTERVAL_S: Final = 0.5
-GATEWAY_GONE_S: Final = 5.0  # disconnected this long (reconnects included): the gateway is not coming back
+# A worker the gateway started (it has --parent-pid) disconnected this long, reconnects included: its gateway is
+# not coming back. A worker started by hand never gives up: it outlives a gateway restart, however long, and
+# re-introduces itself to the next gateway on the address (ARCHITECTURE.md, README "Remote workers").
+GATEWAY_GONE_S: Final = 5.0
 # Gateway messages waiting for the engine's next step boundary. Past it the I/O thread stops reading the
 # socket, so the DEALER's receive high-water mark pushes back on the gateway instead of this queue growing.
 INBOX_BOUND: Final = 4096
@@ -235,7 +238,7 @@ class WorkerIO:
                 log.warning("dropping a frame from the gateway that is not a gateway->worker message")
 
     def _heartbeat(self) -> None:
-        gone = (self._disconnected_since is not None
+        gone = (self.parent_pid is not None and self._disconnected_since is not None
                 and time.monotonic() - self._disconnected_since > GATEWAY_GONE_S)
         if gone or (self.parent_pid is not None and os.getppid() != self.parent_pid):
             self._ask_engine_to_stop("gateway gone")

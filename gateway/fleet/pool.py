@@ -30,12 +30,14 @@ from gateway.config import AdmissionConfig, TimingConfig
 from gateway.api.errors import unavailable
 from gateway.pipeline.handle import RequestFailed, RequestHandle
 from gateway.fleet.drain import drain_worker
+from gateway.fleet.identities import WorkerIdentities
 from gateway.fleet.routing import Router, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
-from ipc.messages import Abort, Generate, Goodbye, Hello, RequestError, Shutdown, Stats, StepOutputs, WorkerToGateway
+from ipc.messages import (Abort, Generate, Goodbye, Hello, Refused, RequestError, Shutdown, Stats, StepOutputs,
+                          WorkerToGateway)
 from ipc.sampling import SamplingParams
-from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv, router_try_send
+from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv_from, router_try_send
 
 log = logging.getLogger("kvgate.gateway.pool")
 
@@ -56,6 +58,7 @@ class WorkerPool:
         # Kills a local worker process the monitor gave up on (set by the supervisor); True if it was ours.
         self.kill_local: Callable[[str, int], bool] = lambda worker_id, pid: False
         self.workers: dict[str, WorkerState] = {}
+        self.identities = WorkerIdentities()  # which connection speaks for which worker (its authorize: CURVE's)
         self._requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None  # runs the per-worker senders
         self._known_hellos: dict[str, Hello] = {}  # last Hello per worker id: lets a worker we gave up on rejoin
@@ -67,6 +70,7 @@ class WorkerPool:
         self.losses: Counter[str] = Counter()  # workers lost, by kind: exited, goodbye, drained, send_failed, frozen, hung
         self.reconciled_aborts = 0  # requests a worker held that this gateway did not track, aborted
         self._drained_pids: set[int] = set()  # workers told to drain: their exit is a restart, not a crash
+        self._hung_at: dict[str, int] = {}  # worker id -> its steps_done when given up as hung (not back yet)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -224,16 +228,18 @@ class WorkerPool:
     async def _receive_loop(self) -> None:
         while True:
             try:
-                identity, msg = await router_recv(self._sock)
+                identity, msg, key = await router_recv_from(self._sock)
             except trio.ClosedResourceError:
                 return
-            self._on_message(identity, msg)
+            self._on_message(identity, msg, key)
 
-    def _on_message(self, identity: bytes, msg: WorkerToGateway) -> None:
+    def _on_message(self, identity: bytes, msg: WorkerToGateway, key: str | None = None) -> None:
         if isinstance(msg, Hello):
-            self._on_hello(identity, msg)
+            self._on_hello(identity, msg, key)
             return
-        wid = identity.decode(errors="replace")
+        wid = self.identities.worker_for(identity, key)
+        if wid is None:
+            return  # no admitted Hello came over this connection: nobody's frame
         w = self.workers.get(wid)
         if w is None:
             w = self._maybe_revive(wid, identity, msg)
@@ -287,9 +293,13 @@ class WorkerPool:
         if orphans:
             self._queue_abort(w, orphans)
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        if identity != hello.worker_id.encode():
-            log.warning("ignoring Hello whose worker id does not match its socket identity")
+    def _on_hello(self, identity: bytes, hello: Hello, key: str | None = None) -> None:
+        refusal = self.identities.refusal(key, hello.worker_id)
+        if refusal is not None:
+            try:  # over the refused connection itself: it learns why and exits; nothing else goes there
+                router_try_send(self._sock, identity, Refused(f"worker id {hello.worker_id!r} refused: {refusal}"))
+            except (PeerUnreachable, trio.BusyResourceError):
+                pass
             return
         if hello.model != self.model_name:
             if hello.worker_id not in self._refused:
@@ -297,9 +307,15 @@ class WorkerPool:
                 log.warning("ignoring worker %s: it serves %r, this gateway serves %r", hello.worker_id,
                             hello.model, self.model_name)
             return
+        self.identities.bind(identity, hello.worker_id, key)
+        if hello.worker_id in self._hung_at:
+            known = self._known_hellos.get(hello.worker_id)
+            if known is not None and known.pid == hello.pid:
+                return  # the process given up as hung, reconnected: its heartbeats bring it back (_maybe_revive)
+            del self._hung_at[hello.worker_id]  # a new process under that id starts afresh
         old = self.workers.get(hello.worker_id)
-        if old is not None and old.hello.pid == hello.pid:
-            old.hello, old.last_seen = hello, trio.current_time()  # same process re-introducing itself
+        if old is not None and old.hello.pid == hello.pid and old.identity == identity:
+            old.hello, old.last_seen = hello, trio.current_time()  # same socket re-introducing itself
             return
         if old is not None:
             self._mark_dead(old, "replaced by a new process with the same id", "replaced")
@@ -318,6 +334,15 @@ class WorkerPool:
         hello = self._known_hellos.get(wid)
         if hello is None or hello.pid in self._exited_pids or not isinstance(msg, (Stats, StepOutputs)):
             return None
+        if wid in self._hung_at:
+            # Given up as hung: its I/O thread heartbeats all along, so only a heartbeat showing the step it hung
+            # in done (and the one now running, if any, within the step timeout) brings it back. Taking it back
+            # at any frame made an external hung worker flap: back, requests routed to it, hung again a monitor
+            # tick later, those requests failed.
+            if not (isinstance(msg, Stats) and msg.steps_done > self._hung_at[wid]
+                    and (msg.step_elapsed is None or msg.step_elapsed <= self.timing.step_timeout)):
+                return None
+            del self._hung_at[wid]
         log.warning("worker %s is talking again; taking it back", wid)
         return self._start_worker(hello, identity)
 
@@ -341,6 +366,8 @@ class WorkerPool:
     def _give_up(self, w: WorkerState, reason: str, kind: str) -> None:
         """Frozen or hung: fail its requests and, if the supervisor started it, have it killed (restarted)."""
         self._mark_dead(w, reason, kind)
+        if kind == "hung" and w.stats is not None:
+            self._hung_at[w.worker_id] = w.stats.steps_done
         if self.kill_local(w.worker_id, w.hello.pid):
             log.warning("killed worker %s (pid %d): %s; the supervisor restarts it", w.worker_id, w.hello.pid, kind)
 

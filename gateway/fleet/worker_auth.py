@@ -7,6 +7,11 @@ context, so handshakes never wait on the Trio loop and the Trio side never sees 
 peer is never connected to the ROUTER: it cannot send the gateway a frame, and nothing (a prompt least of all)
 can be routed to it (a send to its identity is EHOSTUNREACH, as for a worker that never existed).
 
+A listed key is bound to worker ids by its file name: ``NAME.key`` may serve as worker ``NAME`` or
+``NAME/anything`` (several workers on one host share its key), and the gateway's own key serves only the workers
+it starts; a Hello claiming another id is refused (``gateway.fleet.identities``), so no key can take over a
+worker that another key serves.
+
 DIR is read again at each handshake of a key it does not list, so a key file added while the gateway runs
 lets that worker in at its next reconnect without a restart; a removed file keeps out new connections (an
 established one stays until it drops; restart the gateway to cut it at once).
@@ -68,6 +73,7 @@ class WorkerKeyring:
         self._lock = threading.Lock()  # the ZAP thread calls back; tests and reloads may read beside it
         self._listed = load_public_keys(directory)  # a missing or unreadable directory fails the start-up
         self._refused_logged: dict[bytes, float] = {}
+        self.local_ids: frozenset[str] = frozenset()  # the ids of the workers the gateway starts (its own key's)
         log.info("worker keys: %d listed in %s", len(self._listed), directory,
                  extra={"fields": {"event": "worker_keys_loaded", "count": len(self._listed)}})
 
@@ -80,6 +86,23 @@ class WorkerKeyring:
             except ValueError as e:
                 log.error("cannot re-read worker keys: %s", e)
             return key in self._listed
+
+    def refusal(self, key: str | None, worker_id: str) -> str | None:
+        """Whether the connection with this key (its ZAP User-Id, Z85) may serve as ``worker_id``: None, or why
+        not. A listed key ``NAME.key`` serves worker ids ``NAME`` and ``NAME/anything`` (a key file's name has
+        no "/", so no key's ids overlap another's); the gateway's own key serves the workers it starts."""
+        if key is None:
+            return "the connection has no CURVE key"
+        with self._lock:
+            local = key.encode() in self._local
+            name = self._listed.get(key.encode())
+        if local:
+            return None if worker_id in self.local_ids else "the gateway's own key serves only the workers it starts"
+        if name is None:
+            return f"key {key} is no longer listed in {self._dir}"
+        if worker_id == name or worker_id.startswith(f"{name}/"):
+            return None
+        return f"key {name} may serve worker ids {name} and {name}/*"
 
     def callback(self, domain: str, key: bytes) -> bool:
         """Called by pyzmq's authenticator (in its thread) with the client's Z85 public key."""
