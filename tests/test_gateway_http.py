@@ -204,7 +204,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int]] = [
     ("huge max_tokens", CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 10**12}, 400),
     ("temperature out of range", CHAT, {"model": MODEL, "messages": MSG, "temperature": -1}, 400),
     ("top_p out of range", COMP, {"model": MODEL, "prompt": "a", "top_p": 0}, 400),
-    ("n > 1", CHAT, {"model": MODEL, "messages": MSG, "n": 2}, 400),
+    ("n = 0", CHAT, {"model": MODEL, "messages": MSG, "n": 0}, 400),
     ("empty messages", CHAT, {"model": MODEL, "messages": []}, 400),
     ("message without role", CHAT, {"model": MODEL, "messages": [{"content": "x"}]}, 400),
     ("image content", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -76,7 +76,9 @@ def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
 @pytest.mark.parametrize("body,param", [
     ({"model": "m", "prompt": "a", "presence_penalty": 3}, "presence_penalty"),
     ({"model": "m", "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
-    ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
+    ({"model": "m", "prompt": "a", "best_of": 2, "stream": True}, "best_of"),
+    ({"model": "m", "prompt": "a", "n": 3, "best_of": 2}, "best_of"),
+    ({"model": "m", "prompt": "a", "n": 17}, "n"),
     ({"model": "m", "prompt": "a", "echo": True}, "echo"),
     ({"model": "m", "prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
     ({"model": "m", "prompt": [[1], [2]]}, "prompt"),

@@ -12,6 +12,7 @@ import pytest
 import trio
 import zmq
 
+from gateway.pipeline.choices import Choices
 from gateway.pipeline.generation import Delta
 from gateway.pipeline.handle import RequestHandle
 from gateway.pipeline.streaming import DONE, StreamProducer
@@ -119,7 +120,7 @@ class _Asm:
 class _Builder:
     req = SimpleNamespace(include_usage=False)
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
     def delta_chunk(self, d: Delta) -> dict[str, Any] | None:
@@ -148,15 +149,16 @@ async def test_a_producer_that_raises_ends_only_its_own_stream() -> None:
     for rid, bad in (("bad", True), ("good", False)):
         h = RequestHandle(rid, "w0", 3)
         h.push(RequestOutputMsg(rid, [5], "length", 0, None, None, None))
-        fakes: Any = (_Pool(), h, _Asm(bad), _Builder())
-        producers.append(StreamProducer(*fakes, None, 10.0, _Account()))
+        fakes: Any = (_Pool(), _Asm(bad), _Builder())
+        pool, asm, builder = fakes
+        producers.append(StreamProducer(Choices.single(pool, h, asm), builder, None, 10.0, _Account()))
     events: dict[str, list[str]] = {}
     async with trio.open_nursery() as nursery:  # stands for the app-wide nursery: it must not be cancelled
         for p in producers:
             nursery.start_soon(p.run)
         for p in producers:
             with trio.fail_after(5):
-                events[p.handle.request_id] = [e async for e in p.events]
+                events[p.choices.request_id] = [e async for e in p.events]
     bad, good = events["bad"], events["good"]
     assert bad[-1] == DONE and json.loads(bad[-2][6:])["error"]["code"] == "internal_error"
     assert good[-1] == DONE and json.loads(good[0][6:])["choices"][0]["finish_reason"] == "length"

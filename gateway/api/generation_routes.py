@@ -1,8 +1,8 @@
 """The two OpenAI generation routes (``/v1/chat/completions``, ``/v1/completions``).
 
 Every request is: auth -> read and parse the body (400/413 on anything malformed) -> validate and tokenize
-(``gateway.pipeline.protocol``) -> quota -> ``pool.submit`` (503 when nobody can take it) -> answer (JSON) or
-stream (SSE). Each request is traced from here to its end (see ``gateway.telemetry.tracing``).
+(``gateway.pipeline.protocol``) -> quota -> ``pool.submit``, once per sequence (503 when nobody can take it) ->
+answer (JSON) or stream (SSE). Each request is traced from here to its end (see ``gateway.telemetry.tracing``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gateway.api.errors import APIError
 from gateway.api.http_json import json_response, read_json
 from gateway.fleet.pool import unix_deadline
 from gateway.pipeline.admission import RequestAccount
-from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.choices import Choices, submit_all
 from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
@@ -84,7 +84,7 @@ async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationReque
     with rt.phase("quota"):
         try:
             g.ratelimit_headers = await state.tenancy.quota.admit(principal, request_id, len(req.prompt_ids),
-                                                                  req.max_tokens)
+                                                                  req.max_tokens, req.best_of)
         except APIError as e:
             g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look
             state.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
@@ -101,23 +101,24 @@ async def run_generation(kind: str, rt: RequestTrace) -> Response:
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
                              len(req.prompt_ids), rt, req.stream,
                              prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None)
-    asm = OutputAssembler(tok, req.stop, req.logprobs)
+    choices = Choices(pool, request_id, req.n, req.best_of)
     timeout = cfg.timing.request_timeout
     try:
         with rt.phase("queue") as span:
-            handle = await pool.submit(request_id, req.prompt_ids, req.sampling, principal.cache_salt,
-                                       unix_deadline(timeout), principal.weight, rt.context_for(span))
+            await submit_all(pool, choices, req, tok, principal.cache_salt, unix_deadline(timeout), principal.weight,
+                             rt.context_for(span))
     except BaseException as e:
-        account.end(asm, "not_submitted")  # gives the reservation back; no ledger row: nothing ran
+        choices.release_all()  # those already queued are aborted on their workers
+        account.end(choices, "not_submitted")  # gives the reservation back; no ledger row: nothing ran
         if isinstance(e, RequestFailed):
             raise failure_to_api_error(e) from None
         raise
-    # From here `complete` or the stream producer owns the handle and ends the account on every path.
-    account.worker = handle.worker_id
+    # From here `complete` or the stream producer owns the sequences and ends the account on every path.
+    account.worker = choices.worker_id
     builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
     if not req.stream:
-        return json_response(await complete(pool, handle, asm, builder, timeout, account))
-    producer = StreamProducer(pool, handle, asm, builder, timeout, cfg.timing.sse_ping_interval, account)
+        return json_response(await complete(choices, builder, timeout, account))
+    producer = StreamProducer(choices, builder, timeout, cfg.timing.sse_ping_interval, account)
     return start_stream(producer, principal.tenant_name)
 
 
@@ -131,15 +132,15 @@ def start_stream(producer: StreamProducer, tenant: str) -> Response:
         try:
             await producer.run()
         except Exception:
-            log.exception("stream %s: unhandled error after its producer ended", producer.handle.request_id)
+            log.exception("stream %s: unhandled error after its producer ended", producer.choices.request_id)
         finally:
             streams.dec()
 
     try:
-        current_trio_app().nursery.start_soon(run_stream)  # from here the producer owns the handle and the account
+        current_trio_app().nursery.start_soon(run_stream)  # from here the producer owns the sequences and the account
     except BaseException:
-        producer.pool.release(producer.handle)
-        producer.account.end(producer.asm, "cancelled")
+        producer.choices.release_all()
+        producer.account.end(producer.choices, "cancelled")
         raise
     response = Response(producer.body(), status=200, content_type="text/event-stream", headers=SSE_HEADERS)
     response.timeout = None  # Quart's RESPONSE_TIMEOUT would end the stream after 60 s

@@ -15,6 +15,8 @@ from typing import Any
 
 from quart import Response
 
+from gateway.pipeline.protocol import MAX_N
+
 Json = dict[str, Any]
 
 VERSION = "0.1.0"
@@ -41,9 +43,15 @@ _SAMPLING = {
     "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT, "ignore_eos": _BOOL,
     "stop_token_ids": _TOKEN_IDS,
 }
+_N = {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1,
+      "description": "choices to return, each sampled on its own (with a seed, choice i uses seed + i); usage "
+                     "counts the prompt once and every choice's completion tokens"}
+_BEST_OF = {"type": "integer", "minimum": 1, "maximum": MAX_N,
+            "description": "sequences to generate (default n, at least n); the n with the highest cumulative "
+                           "logprob are returned; above n it cannot stream; usage counts every sequence"}
 _COMMON = {
     "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
-    "n": {"type": "integer", "enum": [1]}, "user": _STR,
+    "n": _N, "user": _STR,
     "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": _BOOL}},
     **_SAMPLING,
     # structured outputs (gateway/pipeline/response_format.py): at most one of these four
@@ -60,7 +68,7 @@ _CHAT = {"type": "object", "required": ["model", "messages"], "additionalPropert
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
 _COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
     **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS]},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _INT}}
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _BEST_OF}}
 _QUOTA = {"type": "object", "additionalProperties": False, "properties": {
     **{f: {"type": "integer", "minimum": 1, "nullable": True} for f in
        ("rpm", "tpm", "max_concurrent", "token_budget", "max_tokens_per_request", "max_prompt_tokens")},

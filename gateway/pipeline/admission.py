@@ -8,6 +8,12 @@ I/O (Redis) is called from a worker thread; its settles are queued to a task, so
 ``RequestAccount`` ends every admitted request exactly once: a completed one writes its ledger row (awaited,
 before the final chunk) and settles its reservation to the real token count; any other end (cancel, failure,
 timeout) queues a row with what was done and settles too, so slots come back on every path.
+
+A request of several sequences (``n``, ``best_of``) is admitted as one request (one rate-limit request, one
+concurrency slot) reserving ``prompt + sequences x max_tokens`` tokens: the prompt is computed once and shared,
+each sequence may generate ``max_tokens``. Per-request bounds apply per sequence (``max_tokens_per_request``
+bounds each one's ``max_tokens``); tokens per minute and budgets see the whole reservation. Its one ledger row
+counts the prompt once and the tokens of every sequence generated.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
 import trio
@@ -23,10 +30,11 @@ import trio
 from gateway.api.auth import Principal
 from gateway.api.errors import APIError
 from gateway.telemetry.gateway_metrics import GatewayMetrics
-from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.choices import Choices
 from gateway.pipeline.ledger import UsageLedger
 from gateway.telemetry.tracing import RequestTrace
 from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
+from tenancy.limits_spec import never_fits
 from tenancy.models import UsageRow
 
 log = logging.getLogger("kvgate.gateway.admission")
@@ -62,12 +70,16 @@ class QuotaGate:
         # shared limiter's own socket timeouts bound the wait (it answers "unavailable" past them).
         return await trio.to_thread.run_sync(fn, *args)
 
-    async def admit(self, principal: Principal, request_id: str, prompt_tokens: int,
-                    max_tokens: int) -> dict[str, str]:
-        """Reserve ``prompt + max_tokens``; returns the x-ratelimit headers or raises the denial."""
-        decision: Decision = await self._call(self.limiter.admit, request_id, principal.scopes,
-                                              prompt_tokens, max_tokens)
+    async def admit(self, principal: Principal, request_id: str, prompt_tokens: int, max_tokens: int,
+                    sequences: int = 1) -> dict[str, str]:
+        """Reserve ``prompt + sequences x max_tokens``; returns the x-ratelimit headers or raises the denial."""
+        scopes = sequence_scopes(principal.scopes, prompt_tokens, max_tokens, sequences)
+        decision: Decision = await self._call(self.limiter.admit, request_id, scopes, prompt_tokens,
+                                              max_tokens * sequences)
         if not decision.allowed:
+            if sequences > 1 and decision.reason == "never_fits":
+                decision = replace(decision, message=f"{decision.message} ({sequences} sequences of up to "
+                                                     f"{max_tokens} tokens each)")
             raise denial_error(decision)
         return decision.info.headers()
 
@@ -128,6 +140,20 @@ class QuotaGate:
             await trio.to_thread.run_sync(self.limiter.renew)
 
 
+def sequence_scopes(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int,
+                    sequences: int) -> Sequence[Scope]:
+    """The scopes to reserve ``sequences`` sequences against, as one request of ``sequences x max_tokens``.
+
+    The limiter checks ``max_tokens_per_request`` against the max_tokens it is given, here the sum; that bound is
+    per sequence, so it is checked here against each one's and lifted from what the limiter sees."""
+    if sequences == 1:
+        return scopes
+    never = never_fits(scopes, prompt_tokens, max_tokens)
+    if never is not None:
+        raise denial_error(Decision(False, "never_fits", message=never))
+    return [Scope(s.name, replace(s.quota, max_tokens_per_request=None)) for s in scopes]
+
+
 class RequestAccount:
     """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
 
@@ -144,49 +170,53 @@ class RequestAccount:
         self.worker: str | None = None  # set once a worker got it: from then on every end is billed
         self.done = False
 
-    def _row(self, asm: OutputAssembler, status: str) -> UsageRow:
+    def _row(self, choices: Choices, status: str) -> UsageRow:
         now = time.monotonic()
-        ttft = None if asm.first_token_at is None else (asm.first_token_at - self.started) * 1000.0
+        first = choices.first_token_at
+        ttft = None if first is None else (first - self.started) * 1000.0
         return UsageRow(self.request_id, self._principal.tenant_id, self._principal.key_id, self.model,
-                        self.prompt_tokens, min(asm.num_cached_tokens, self.prompt_tokens), len(asm.token_ids),
+                        self.prompt_tokens, min(choices.cached_tokens, self.prompt_tokens), choices.completion_tokens,
                         status, self.started_wall, time.time(), ttft, (now - self.started) * 1000.0)
 
-    async def finish(self, asm: OutputAssembler) -> None:
+    async def finish(self, choices: Choices) -> None:
         """The request completed: its row is durable before this returns (or queued after COMMIT_WAIT_S)."""
         if self.done:
             return
         self.done = True
-        row = self._row(asm, asm.finish_reason or "stop")
+        row = self._row(choices, choices.finish_reason or "stop")
         try:
             await self._ledger.record(row)
         finally:
-            self._gate.settle(self.request_id, self.prompt_tokens + len(asm.token_ids))
-            self._report(row, asm)
+            self._gate.settle(self.request_id, self.prompt_tokens + choices.completion_tokens)
+            self._report(row, choices)
 
-    def end(self, asm: OutputAssembler, status: str) -> None:
+    def end(self, choices: Choices, status: str) -> None:
         """Any other end (cancelled, failed, timed out, never submitted). Sync: called from ``finally``."""
         if self.done:
             return
         self.done = True
         used = 0
-        row = self._row(asm, status)
+        row = self._row(choices, status)
         if self.worker is not None:
             self._ledger.record_nowait(row)
-            used = self.prompt_tokens + len(asm.token_ids)
+            used = self.prompt_tokens + choices.completion_tokens
         self._gate.settle(self.request_id, used)
-        self._report(row, asm)
+        self._report(row, choices)
 
-    def _report(self, row: UsageRow, asm: OutputAssembler) -> None:
+    def _report(self, row: UsageRow, choices: Choices) -> None:
         # The tenant's setting decides, not the caller: text handed in for a tenant that is off stays unlogged.
-        text = _Text(self._prompt_text, asm.text) if self._principal.log_text else None
+        text = None
+        if self._principal.log_text:
+            texts = choices.texts
+            text = _Text(self._prompt_text, texts if len(texts) > 1 else "".join(texts))
         _log_finished(row, text)
-        self._metrics.request_finished(row, self._principal.tenant_name, self.worker)
-        self._trace.request_ended(row, asm, self.worker)
+        self._metrics.request_finished(row, self._principal.tenant_name, self.worker, choices.n, choices.best_of)
+        self._trace.request_ended(row, choices, self.worker)
 
 
 class _Text(NamedTuple):
     prompt: str | None  # None when the caller did not hand the prompt's text over
-    completion: str
+    completion: str | list[str]  # one per returned choice when there are several
 
 
 def _log_finished(row: UsageRow, text: _Text | None) -> None:

@@ -4,6 +4,9 @@ Stop strings are the gateway's job (the worker only knows token ids). While a re
 ``len(longest stop) - 1`` characters are held back, so text that turns out to start a stop string is never
 sent; once a stop string appears, the text is cut before it, the request finishes with "stop", and the
 caller aborts it on the worker.
+
+One assembler follows one sequence: a request with ``n`` or ``best_of`` above 1 has one per sequence, each
+knowing its choice ``index`` and the cumulative logprob of what it kept (how ``best_of`` ranks them).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids, when logprobs were asked for
     finish_reason: str | None
+    index: int = 0  # the choice it belongs to
 
 
 @dataclass
@@ -32,9 +36,10 @@ class TokenLogprob:
 
 
 class OutputAssembler:
-    """Accumulates one request's outputs; ``add`` returns what may be sent to the client now."""
+    """Accumulates one sequence's outputs; ``add`` returns what may be sent to the client now."""
 
-    def __init__(self, tok: GatewayTokenizer, stop: tuple[str, ...], want_logprobs: bool) -> None:
+    def __init__(self, tok: GatewayTokenizer, stop: tuple[str, ...], want_logprobs: bool, index: int = 0) -> None:
+        self.index = index
         self._detok = IncrementalDetokenizer(tok)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -44,6 +49,9 @@ class OutputAssembler:
         self._searched = 0  # self.text[:_searched] is known to contain no stop string
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
+        # Sum of the kept tokens' logprobs, when the worker sent them (it does for best_of even when the client
+        # did not ask): the sequence's log-likelihood, what best_of ranks by.
+        self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None  # time.monotonic() when the first token arrived
         self.finish_reason: str | None = None
@@ -55,9 +63,13 @@ class OutputAssembler:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def finish_reasons(self) -> list[str | None]:  # as Choices has them (what the trace reads)
+        return [self.finish_reason]
+
     def add(self, out: RequestOutputMsg) -> Delta:
         if self.finished:
-            return Delta("", [], None, None)
+            return Delta("", [], None, None, self.index)
         if out.new_token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if out.timings is not None:
@@ -69,13 +81,15 @@ class OutputAssembler:
             finish = "stop"
             self.hit_stop_string = out.finish_reason is None
         self.token_ids.extend(ids)
-        new_logprobs = list(out.logprobs)[:len(ids)] if self._want_logprobs and out.logprobs else None
+        kept = list(out.logprobs)[:len(ids)] if out.logprobs else []
+        self.cumulative_logprob += sum(lp for lp, _ in kept)
+        new_logprobs = kept if self._want_logprobs and kept else None
         if new_logprobs:
             self.logprobs.extend(new_logprobs)
         end = len(self.text) if finish is not None else max(self._emitted, len(self.text) - self._hold)
         text, self._emitted = self.text[self._emitted:end], end
         self.finish_reason = finish
-        return Delta(text, ids, new_logprobs, finish)
+        return Delta(text, ids, new_logprobs, finish, self.index)
 
     def _take_until_stop(self, ids: list[int]) -> tuple[list[int], bool]:
         """Decode ``ids``; with stop strings, token by token, so that of an output of several tokens (a

@@ -3,6 +3,10 @@
 Every accepted field is listed here with its type; anything else is a 400 naming the field ("nothing is
 silently ignored"). Ranges are checked by ``ipc.sampling.SamplingParams``, the wire message itself, so the gateway
 and the worker can never disagree on what is valid. A JSON ``null`` means "not given", as in OpenAI's API.
+
+``n`` (both routes) and ``best_of`` (completions only, as OpenAI) ask for several sequences of one prompt; each
+becomes a worker request of its own (``gateway.pipeline.choices``). Both are at most ``MAX_N``; ``best_of`` is at
+least ``n`` and cannot stream when it is larger (the best are known only once all have ended).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ipc.sampling import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # the most sequences (n, best_of) one request may ask for: each holds its own KV blocks on a worker
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -38,6 +43,8 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool  # whether to return logprobs at all
     top_logprobs: int  # alternatives per token when logprobs
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated (>= n); the n with the highest cumulative logprob are returned
 
 
 # ---- field types ---------------------------------------------------------------------------------
@@ -239,17 +246,34 @@ def _max_tokens(fields: dict[str, Any], key: str, prompt_len: int, max_model_len
     return int(requested)
 
 
-def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...]]:
-    if fields.get("n", 1) != 1:
-        raise bad_request("only 'n': 1 is supported", param="n")
+def _count(fields: dict[str, Any], key: str, default: int) -> int:
+    value = int(fields.get(key, default))
+    if value < 1:
+        raise bad_request(f"'{key}' must be at least 1, got {value}", param=key)
+    if value > MAX_N:
+        raise bad_request(f"'{key}' must be at most {MAX_N}, got {value}", param=key)
+    return value
+
+
+def _best_of(fields: dict[str, Any], n: int, stream: bool) -> int:
+    best_of = _count(fields, "best_of", n)  # vLLM's default: as many as are returned
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n})", param="best_of")
+    if stream and best_of > n:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed: the best are known only at the end",
+                          param="best_of")
+    return best_of
+
+
+def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...], int]:
     stream = bool(fields.get("stream", False))
-    return stream, _stream_options(fields, stream), _stop(fields)
+    return stream, _stream_options(fields, stream), _stop(fields), _count(fields, "n", 1)
 
 
 def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
                default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, CHAT_FIELDS)
-    stream, include_usage, stop = _common_checks(fields)
+    stream, include_usage, stop, n = _common_checks(fields)
     if "messages" not in fields:
         raise bad_request("'messages' is required", param="messages")
     messages = _messages(fields["messages"])
@@ -269,17 +293,16 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages", default_max_tokens_cap)
     n_top = (top or 0) if logprobs else None
     return GenerationRequest("chat", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
-                             max_tokens, stop, stream, include_usage, logprobs, n_top or 0)
+                             max_tokens, stop, stream, include_usage, logprobs, n_top or 0, n, n)
 
 
 def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
                      default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, COMPLETION_FIELDS)
-    stream, include_usage, stop = _common_checks(fields)
+    stream, include_usage, stop, n = _common_checks(fields)
     if fields.get("echo", False):
         raise bad_request("'echo': true is not supported", param="echo")
-    if fields.get("best_of", 1) != 1:
-        raise bad_request("only 'best_of': 1 is supported", param="best_of")
+    best_of = _best_of(fields, n, stream)
     if "prompt" not in fields:
         raise bad_request("'prompt' is required", param="prompt")
     prompt_ids = _completion_prompt(fields["prompt"], tok)
@@ -288,5 +311,8 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
         raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
     max_tokens = _max_tokens(fields, "max_tokens", len(prompt_ids), max_model_len,
                              COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", default_max_tokens_cap)
-    return GenerationRequest("completion", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
-                             max_tokens, stop, stream, include_usage, n_top is not None, n_top or 0)
+    # Ranking needs each sampled token's logprob: ask the worker for it (0 alternatives) even when the client
+    # did not ask for logprobs; OutputAssembler returns them only to a client that did.
+    worker_top = 0 if n_top is None and best_of > n else n_top
+    return GenerationRequest("completion", prompt_ids, _sampling(fields, max_tokens, worker_top, tok.vocab_size),
+                             max_tokens, stop, stream, include_usage, n_top is not None, n_top or 0, n, best_of)

@@ -1,10 +1,15 @@
-"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage and logprobs, as plain dicts."""
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage and logprobs, as plain dicts.
+
+With several choices every chunk carries one choice's delta under its ``index`` (they interleave as tokens
+arrive) and the same ``id``, ``created`` and ``model``; usage counts the prompt once and sums the completions.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from gateway.pipeline.choices import Choices
 from gateway.pipeline.generation import Delta, OutputAssembler
 from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tokenizer import GatewayTokenizer
@@ -58,20 +63,20 @@ class ResponseBuilder:
         self.created = created
         self.req = req
         self.tok = tok
-        self._text_offset = 0  # completions logprobs: where the next token starts in the completion
+        self._text_offsets: dict[int, int] = {}  # completions logprobs, per choice: where its next token starts
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self, asm: OutputAssembler) -> dict[str, Any]:
-        return usage(len(self.req.prompt_ids), len(asm.token_ids), asm.num_cached_tokens)
+    def usage(self, choices: Choices) -> dict[str, Any]:
+        return usage(len(self.req.prompt_ids), choices.completion_tokens, choices.cached_tokens)
 
     # ---- streaming ------------------------------------------------------------------------------
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         if self.req.kind != "chat":
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
     def delta_chunk(self, d: Delta) -> dict[str, Any] | None:
@@ -79,18 +84,18 @@ class ResponseBuilder:
             return None  # nothing visible happened (a held-back or partial character)
         lp = None
         if self.req.logprobs and d.logprobs:
-            lp = self._logprobs(d.token_ids, d.logprobs)
+            lp = self._logprobs(d.index, d.token_ids, d.logprobs)
         if self.req.kind == "chat":
-            choice = {"index": 0, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                       "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         return self._chunk(choice)
 
-    def usage_chunk(self, asm: OutputAssembler) -> dict[str, Any]:
+    def usage_chunk(self, choices: Choices) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.req.kind == "chat" else "text_completion")
         body["choices"] = []
-        body["usage"] = self.usage(asm)
+        body["usage"] = self.usage(choices)
         return body
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -100,24 +105,26 @@ class ResponseBuilder:
             body["usage"] = None  # as OpenAI: present (null) on every chunk when include_usage is set
         return body
 
-    def _logprobs(self, ids: list[int], lps: list[TokenLogprobs]) -> dict[str, Any]:
+    def _logprobs(self, index: int, ids: list[int], lps: list[TokenLogprobs]) -> dict[str, Any]:
         if self.req.kind == "chat":
             return chat_logprobs(self.tok, ids, lps, self.req.top_logprobs)
-        out = completion_logprobs(self.tok, ids, lps, self.req.top_logprobs, self._text_offset)
-        self._text_offset += sum(len(t) for t in out["tokens"])
+        offset = self._text_offsets.get(index, 0)
+        out = completion_logprobs(self.tok, ids, lps, self.req.top_logprobs, offset)
+        self._text_offsets[index] = offset + sum(len(t) for t in out["tokens"])
         return out
 
     # ---- whole response -----------------------------------------------------------------------
 
-    def final(self, asm: OutputAssembler) -> dict[str, Any]:
-        lp = self._logprobs(asm.token_ids, asm.logprobs) if self.req.logprobs else None
-        if self.req.kind == "chat":
-            body = self._envelope("chat.completion")
-            body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": asm.text},
-                                "logprobs": lp, "finish_reason": asm.finish_reason}]
-        else:
-            body = self._envelope("text_completion")
-            body["choices"] = [{"index": 0, "text": asm.text, "logprobs": lp,
-                                "finish_reason": asm.finish_reason}]
-        body["usage"] = self.usage(asm)
+    def final(self, choices: Choices) -> dict[str, Any]:
+        body = self._envelope("chat.completion" if self.req.kind == "chat" else "text_completion")
+        # Ranked by best_of when it generated more than n: the choice index is the rank, not the generation order.
+        body["choices"] = [self._final_choice(i, asm) for i, asm in enumerate(choices.returned())]
+        body["usage"] = self.usage(choices)
         return body
+
+    def _final_choice(self, index: int, asm: OutputAssembler) -> dict[str, Any]:
+        lp = self._logprobs(index, asm.token_ids, asm.logprobs) if self.req.logprobs else None
+        if self.req.kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": asm.text}, "logprobs": lp,
+                    "finish_reason": asm.finish_reason}
+        return {"index": index, "text": asm.text, "logprobs": lp, "finish_reason": asm.finish_reason}

@@ -5,6 +5,10 @@ app-level nursery waits on the worker (under the request deadline, sending ``: p
 and puts finished SSE events into a small bounded channel; the response body (``SSEBody``) only drains that
 channel. When the client goes away, Quart closes the body, which cancels the producer, whose ``finally``
 releases the request so the pool aborts it on the worker.
+
+A request of several sequences (``n``, ``best_of``; ``gateway.pipeline.choices``) follows them all at once, one
+task per sequence in one nursery: chunks interleave as tokens arrive, each sequence is released (its KV freed) as
+soon as it ends, and the first failure, a disconnect or the deadline cancels the others and releases them all.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import Any, Protocol
 import trio
 
 from gateway.api.errors import APIError
+from gateway.pipeline.choices import Child, Choices
 from gateway.pipeline.generation import Delta, OutputAssembler
 from gateway.pipeline.handle import RequestFailed, RequestHandle
-from gateway.fleet.pool import WorkerPool
 from gateway.pipeline.responses import ResponseBuilder
 
 log = logging.getLogger("kvgate.gateway.streaming")
@@ -70,22 +74,46 @@ async def follow(handle: RequestHandle, asm: OutputAssembler, emit: Callable[[De
                 break
 
 
+async def follow_all(choices: Choices, emit: Callable[[Child, Delta], Awaitable[None]],
+                     ping: Callable[[], Awaitable[None]] | None = None, ping_interval: float = 10.0) -> None:
+    """``follow`` every sequence concurrently. A sequence that ends is released at once (a stop string's abort
+    must not wait for its siblings); the first exception of any of them cancels the rest and is raised."""
+    failures: list[Exception] = []
+
+    async def one(child: Child, cancel: trio.CancelScope) -> None:
+        async def emit_child(d: Delta) -> None:
+            if d.finish_reason is not None:
+                choices.release(child)
+            await emit(child, d)
+
+        try:
+            await follow(child.handle, child.asm, emit_child, ping, ping_interval)
+        except Exception as e:  # noqa: BLE001 - handed to the caller below, whatever it is
+            failures.append(e)
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for child in choices.children:
+            nursery.start_soon(one, child, nursery.cancel_scope)
+    if failures:
+        raise failures[0]
+
+
 def _deadline(timeout: float | None) -> Any:
     return trio.fail_after(timeout) if timeout is not None else nullcontext()
 
 
-async def complete(pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
-                   timeout: float | None, account: Account) -> dict[str, Any]:
+async def complete(choices: Choices, builder: ResponseBuilder, timeout: float | None,
+                   account: Account) -> dict[str, Any]:
     """The non-streaming path, run in the route handler itself (a disconnect cancels it)."""
-    async def emit(_: Delta) -> None:
+    async def emit(_: Child, __: Delta) -> None:
         pass
 
     status = "cancelled"  # what the ledger says unless the request gets further
     try:
         with _deadline(timeout):
-            await follow(handle, asm, emit)
-        pool.release(handle)  # aborts it on the worker when a stop string ended it early
-        await account.finish(asm)  # the ledger row is durable before the response leaves
+            await follow_all(choices, emit)
+        await account.finish(choices)  # the ledger row is durable before the response leaves
     except trio.TooSlowError:
         status = "timeout"
         raise APIError(504, "the request timed out", code="timeout") from None
@@ -93,9 +121,9 @@ async def complete(pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler
         status = e.code
         raise failure_to_api_error(e) from None
     finally:
-        pool.release(handle)
-        account.end(asm, status)
-    return builder.final(asm)
+        choices.release_all()
+        account.end(choices, status)
+    return builder.final(choices)
 
 
 class ConsumerGone(Exception):
@@ -106,9 +134,9 @@ class Account(Protocol):
     """A request's accounting (``gateway.pipeline.admission.RequestAccount``): ``finish`` when it completed, before the
     final chunk; ``end`` on every path (a no-op after ``finish``)."""
 
-    async def finish(self, asm: OutputAssembler) -> None: ...
+    async def finish(self, choices: Choices) -> None: ...
 
-    def end(self, asm: OutputAssembler, status: str) -> None: ...
+    def end(self, choices: Choices, status: str) -> None: ...
 
 
 class SSEBody:
@@ -136,14 +164,15 @@ class SSEBody:
 class StreamProducer:
     """The task side of one stream; run it with ``nursery.start_soon(producer.run)``."""
 
-    def __init__(self, pool: WorkerPool, handle: RequestHandle, asm: OutputAssembler, builder: ResponseBuilder,
-                 timeout: float | None, ping_interval: float, account: Account) -> None:
-        self.pool, self.handle, self.asm, self.builder = pool, handle, asm, builder
+    def __init__(self, choices: Choices, builder: ResponseBuilder, timeout: float | None, ping_interval: float,
+                 account: Account) -> None:
+        self.choices, self.builder = choices, builder
         self.timeout, self.ping_interval = timeout, ping_interval
         self.account = account
         self.status = "cancelled"  # the ledger's word for this stream unless it completes or fails
         self.scope = trio.CancelScope()
         self._send, self.events = trio.open_memory_channel[str](SSE_BUFFER)
+        self._last_put = trio.current_time()
 
     def body(self) -> SSEBody:
         return SSEBody(self.events, self.scope)
@@ -151,13 +180,14 @@ class StreamProducer:
     async def _put(self, event: str) -> None:
         with trio.move_on_after(CONSUMER_STALL_S):
             await self._send.send(event)
+            self._last_put = trio.current_time()
             return
         raise ConsumerGone()
 
-    async def _emit(self, d: Delta) -> None:
-        if d.finish_reason is not None:
-            self.pool.release(self.handle)  # aborts it on the worker when a stop string ended it early
-            await self.account.finish(self.asm)  # durable in the ledger before the client sees the end
+    async def _emit(self, _: Child, d: Delta) -> None:
+        # follow_all has released the sequence when d ends it (aborting it on the worker after a stop string)
+        if d.finish_reason is not None and self.choices.finished:
+            await self.account.finish(self.choices)  # durable in the ledger before the client sees the end
         chunk = self.builder.delta_chunk(d)
         if chunk is not None:
             await self._put(sse_event(chunk))
@@ -169,22 +199,23 @@ class StreamProducer:
                     try:
                         await self._stream()
                     except Exception:  # a bug in one stream ends that stream, never the app's nursery
-                        log.exception("stream %s failed", self.handle.request_id)
+                        log.exception("stream %s failed", self.choices.request_id)
                         self.status = "internal_error"
                         await self._fail(APIError(500, "internal error while streaming", code="internal_error"))
         finally:
-            self.pool.release(self.handle)
-            self.account.end(self.asm, self.status)
+            self.choices.release_all()
+            self.account.end(self.choices, self.status)
 
     async def _stream(self) -> None:
         try:
-            first = self.builder.first_chunk()
-            if first is not None:
-                await self._put(sse_event(first))
+            for index in range(self.choices.n):
+                first = self.builder.first_chunk(index)
+                if first is not None:
+                    await self._put(sse_event(first))
             with _deadline(self.timeout):
-                await follow(self.handle, self.asm, self._emit, self._ping, self.ping_interval)
+                await follow_all(self.choices, self._emit, self._ping, self.ping_interval)
             if self.builder.req.include_usage:
-                await self._put(sse_event(self.builder.usage_chunk(self.asm)))
+                await self._put(sse_event(self.builder.usage_chunk(self.choices)))
             await self._put(DONE)
         except (trio.BrokenResourceError, ConsumerGone):
             return  # the client is gone: nothing to tell it
@@ -196,14 +227,17 @@ class StreamProducer:
             await self._fail(failure_to_api_error(e))
 
     async def _ping(self) -> None:
+        if trio.current_time() - self._last_put < self.ping_interval:
+            return  # another sequence of this stream sent something lately: the connection is alive
         try:
             self._send.send_nowait(PING)
+            self._last_put = trio.current_time()
         except trio.WouldBlock:
             pass  # the client has not even read the last events: it needs no keep-alive
 
     async def _fail(self, err: APIError) -> None:
         # After the stream started the status is already 200: an error event, then [DONE].
-        log.info("stream %s failed: %s (%s)", self.handle.request_id, err.code, err.status)
+        log.info("stream %s failed: %s (%s)", self.choices.request_id, err.code, err.status)
         try:
             with trio.move_on_after(1.0):
                 await self._send.send(sse_event(err.body()))

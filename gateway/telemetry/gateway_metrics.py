@@ -25,6 +25,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for vllm:request_params_n and _best_of
 FINISHED = ("stop", "length", "abort")  # vLLM's finished_reason values; anything else counts as abort
 
 
@@ -55,6 +56,11 @@ class GatewayMetrics:
                                        buckets=TOKEN_BUCKETS, registry=r)
         self.generation_tokens = Histogram("vllm:request_generation_tokens", "Number of generation tokens "
                                            "processed.", labels, buckets=TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                  buckets=PARAMS_N_BUCKETS, registry=r)
+        self.params_best_of = Histogram("vllm:request_params_best_of", "Histogram of the best_of request "
+                                        "parameter (n where it is not given).", labels, buckets=PARAMS_N_BUCKETS,
+                                        registry=r)
         self.restarts = Counter("kvgate:worker_restarts", "Worker processes restarted by the supervisor.",
                                 ["model_name", "worker"], registry=r)
         self._engine_histograms(labels)
@@ -104,8 +110,10 @@ class GatewayMetrics:
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def request_finished(self, row: UsageRow, tenant: str, worker: str | None) -> None:
-        """One request ended on any path (``row`` is its ledger row)."""
+    def request_finished(self, row: UsageRow, tenant: str, worker: str | None, n: int = 1,
+                         best_of: int = 1) -> None:
+        """One request ended on any path (``row`` is its ledger row: the prompt once, the completion tokens of
+        all its sequences); ``n`` and ``best_of`` are the sequences it asked for."""
         if row.status == "cancelled":
             self.cancellations.labels(tenant).inc()
         if worker is None:
@@ -123,3 +131,5 @@ class GatewayMetrics:
             self.e2e.labels(*w).observe(row.latency_ms / 1000.0)
         self.prompt_tokens.labels(*w).observe(row.prompt_tokens)
         self.generation_tokens.labels(*w).observe(row.completion_tokens)
+        self.params_n.labels(*w).observe(n)
+        self.params_best_of.labels(*w).observe(best_of)

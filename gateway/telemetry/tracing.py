@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -35,12 +35,31 @@ from ipc.messages import EngineTimings
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from gateway.pipeline.generation import OutputAssembler
     from tenancy.models import UsageRow
 
 log = logging.getLogger("kvgate.gateway.tracing")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _COMPLETED = ("stop", "length")  # ledger statuses of requests that ended normally
+
+
+class EndedRequest(Protocol):
+    """What the trace reads of a request's outputs (``gateway.pipeline.choices.Choices``, or one sequence's
+    ``OutputAssembler``): for several sequences the first one's engine timings make the worker spans."""
+
+    @property
+    def finish_reasons(self) -> list[str | None]: ...
+
+    @property
+    def first_token_at(self) -> float | None: ...
+
+    @property
+    def hit_stop_string(self) -> bool: ...
+
+    @property
+    def engine_timings(self) -> EngineTimings | None: ...
+
+    @property
+    def engine_timings_at(self) -> float | None: ...
 
 
 class Tracing:
@@ -124,15 +143,16 @@ class RequestTrace:
                 self.root.set_status(Status(StatusCode.ERROR))
         self._release("http")
 
-    def request_ended(self, row: UsageRow, asm: OutputAssembler, worker: str | None) -> None:
+    def request_ended(self, row: UsageRow, asm: EndedRequest, worker: str | None) -> None:
         """Called once by the request's account, on every path, with its ledger row."""
         self.root.set_attributes({
             "gen_ai.usage.input_tokens": row.prompt_tokens, "gen_ai.usage.output_tokens": row.completion_tokens,
             "kvgate.usage.cached_tokens": row.cached_tokens, "kvgate.status": row.status})
         if worker is not None:
             self.root.set_attribute("kvgate.worker", worker)
-        if asm.finish_reason is not None:
-            self.root.set_attribute("gen_ai.response.finish_reasons", [asm.finish_reason])
+        reasons = [r for r in asm.finish_reasons if r is not None]
+        if reasons:
+            self.root.set_attribute("gen_ai.response.finish_reasons", reasons)
         if asm.first_token_at is not None:
             self.root.add_event("first_token", timestamp=_wall_ns(asm.first_token_at))
         abort = _abort_reason(row.status, asm)
@@ -170,7 +190,7 @@ class RequestTrace:
                 self.root.end()
 
 
-def _abort_reason(status: str, asm: OutputAssembler) -> str | None:
+def _abort_reason(status: str, asm: EndedRequest) -> str | None:
     if asm.hit_stop_string:
         return "stop_string"  # the gateway stopped the worker: the response itself completed normally
     if status in _COMPLETED:
