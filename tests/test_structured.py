@@ -13,6 +13,7 @@ from ipc.codec import decode, encode
 from ipc.messages import Generate
 from tests.tiny import hf_model, run_all, tiny_engine
 from workers import structured
+from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
 from workers.engine import LLMEngine
 from workers.structured import StructuredError
@@ -66,6 +67,15 @@ def _generate(engine: LLMEngine, spec: str, n: int, max_tokens: int = 200, **kw:
     return [out[rid] for rid in ids]
 
 
+def _outputs_until_idle(engine: LLMEngine) -> list[StepOutput]:
+    outs: list[StepOutput] = []
+    for _ in range(100_000):
+        if not engine.has_unfinished():
+            return outs
+        outs += engine.step()
+    raise RuntimeError("engine did not finish")
+
+
 def _text(tokenizer: Any, ids: list[int]) -> str:
     assert ids and ids[-1] == EOS, "the grammar ended and only then was EOS allowed"
     return str(tokenizer.decode(ids[:-1]))
@@ -98,21 +108,36 @@ def test_unstructured_requests_in_the_same_batch_are_untouched(engine: LLMEngine
 
 
 @pytest.mark.parametrize("spec, message", [
-    ('{"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}', "unsupp"),
-    ('{"type": "json_schema", "schema": {"type": "strnig"}}', "unsupported"),
-    ('{"type": "regex", "pattern": "(unclosed"}', "unsupported"),
     ('{"type": "choice", "choices": []}', "choice"),
+    ('{"type": "regex", "pattern": 7}', "pattern"),
+    ('{"type": "json_schema", "schema": "object"}', "schema"),
     ('{"type": "grammar"}', "type must be"),
     ("not json", "not JSON"),
 ])
-def test_unsupported_specs_are_refused_at_add_request(engine: LLMEngine, spec: str, message: str) -> None:
+def test_malformed_specs_are_refused_at_add_request(engine: LLMEngine, spec: str, message: str) -> None:
     with pytest.raises(StructuredError, match=message):
         engine.add_request("bad", [1, 2, 3], SamplingParams(structured=spec))
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("spec", [
+    '{"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}',
+    '{"type": "json_schema", "schema": {"type": "strnig"}}',
+    '{"type": "regex", "pattern": "(unclosed"}',
+])
+def test_unsupported_grammars_finish_with_an_error(engine: LLMEngine, spec: str) -> None:
+    """Found by the compile, off the engine thread: the request finishes with the reason as its error (the
+    gateway's 4xx path for a request that can never run), twice: the second time from the cache."""
+    for rid in ("bad1", "bad2"):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(structured=spec))
+        outs = _outputs_until_idle(engine)
+        assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [(rid, [], "length")]
+        assert outs[0].error is not None and "unsupported" in outs[0].error
+
+
 def test_compile_cache_is_keyed_by_canonical_json(engine: LLMEngine) -> None:
-    outputs = engine.structured  # type: ignore[attr-defined]
+    outputs = engine.structured
+    assert outputs is not None
     a = outputs.compiled(json.dumps({"type": "json_schema", "schema": {"type": "object", "required": []}}))
     b = outputs.compiled('{"schema":{"type":"object","required":[]},  "type":"json_schema"}')
     assert a is b
@@ -125,12 +150,6 @@ def test_properties_come_in_schema_order(engine: LLMEngine, tokenizer: Any) -> N
               "required": ["z", "a"], "additionalProperties": False}
     for ids in _generate(engine, _spec("json_schema", schema=schema), 4):
         assert list(json.loads(_text(tokenizer, ids))) == ["z", "a"]
-
-
-def test_a_compile_past_the_time_bound_is_refused(tokenizer: Any) -> None:
-    outputs = structured.StructuredOutputs(tokenizer, 49152, compile_timeout_s=0.0)
-    with pytest.raises(StructuredError, match="did not compile within"):
-        outputs.prepare("r", SamplingParams(structured=_spec("json_schema", schema=SCHEMA)))
 
 
 def test_an_engine_without_a_tokenizer_refuses_structured_requests() -> None:

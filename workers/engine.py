@@ -1,7 +1,9 @@
 """The step-level engine a worker process drives: add_request / abort / step / has_unfinished / stats.
 
 ``step() = schedule() -> run the model -> update_from_output()``. The engine owns the scheduler (which owns
-requests and, through the block manager, their blocks) and the model runner (which owns the KV tensors).
+requests and, through the block manager, their blocks) and the model runner (which owns the KV tensors). A
+structured-output request whose grammar is still compiling (off this thread, ``workers.structured``) is parked
+here, outside the scheduler, and joins it at the first step after its grammar is ready.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 from kernels_cupy.interface import AttentionBackend
 from workers.config import CacheConfig, EngineConfig
 from workers.core.block_manager import BlockManager
-from workers.core.outputs import EngineStats, Sampled, SchedulerOutput, StepOutput
-from workers.core.request import Request
+from workers.core.outputs import EngineStats, RequestTimings, Sampled, SchedulerOutput, StepOutput
+from workers.core.request import Request, RequestStatus
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
 from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -45,6 +47,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.last_num_batched_tokens = 0  # tokens the last step() computed (prompt chunks + decodes)
+        self.structured: structured.StructuredOutputs | None = None  # set by structured.enable
+        self._parked: dict[str, Request] = {}  # waiting for their grammar's compile, in arrival order
+        self._parked_finished: list[StepOutput] = []  # parked requests aborted or refused, reported next step
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, weight: float = 1.0,
@@ -60,31 +65,65 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
-        structured.prepare(self, request_id, params)  # compiles its grammar (bounded) or refuses it
+        if request_id in self.scheduler.requests or request_id in self._parked:  # before its matcher is made
+            raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, ids, params, cache_salt, float(weight),
                       arrival_time if arrival_time is not None else self.scheduler.clock(),
                       self.eos_token_ids, self.max_model_len)
+        # Never blocks: a grammar not compiled yet parks the request; a malformed spec raises
+        if structured.prepare(self, request_id, params):
+            self._parked[request_id] = req
+            return
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            req = self._parked.pop(rid, None)
+            if req is None:
+                continue
+            if self.structured is not None:
+                self.structured.release(rid)  # its claim on the compile: one nobody wants is not started
+            self._parked_finished.append(  # reported like a queued request's abort: at the next step
+                _finished_early(req, RequestStatus.FINISHED_ABORTED, None, self.scheduler.clock()))
         self.scheduler.abort(list(request_ids))
         for rid in request_ids:
             self.runner.release(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._parked) or bool(self._parked_finished)
 
     def step(self) -> list[StepOutput]:
+        early = self._admit_parked()
         plan = self.scheduler.schedule()
         self.last_num_batched_tokens = plan.num_batched_tokens
         if plan.empty:
-            return self.scheduler.take_finished_unreported()
+            outputs = early + self.scheduler.take_finished_unreported()
+            if not outputs and self._parked and self.structured is not None:
+                # Only compiles pending: wait a little for one instead of spinning (bounded, so the worker
+                # still sees its inbox: new requests, aborts)
+                self.structured.wait(structured.IDLE_POLL_S)
+            return outputs
         sampled = self.runner.execute(plan)
-        outputs = self.scheduler.update_from_output(plan, sampled)
+        outputs = early + self.scheduler.update_from_output(plan, sampled)
         for o in outputs:
             if o.finished:
                 self.runner.release(o.request_id)
         return outputs
+
+    def _admit_parked(self) -> list[StepOutput]:
+        """Parked requests whose grammar compiled join the scheduler (keeping their arrival time); those
+        refused (compile failed or too slow) finish with the reason as their error, as a prompt that can never
+        fit does. Returns the outputs of parked requests that finished (refused or aborted)."""
+        out, self._parked_finished = self._parked_finished, []
+        if not self._parked or self.structured is None:
+            return out
+        ready, refused = self.structured.collect()
+        for rid in ready:
+            self.scheduler.add_request(self._parked.pop(rid))
+        now = self.scheduler.clock()
+        for rid, why in refused:
+            out.append(_finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now))
+        return out
 
     def warm_up(self) -> None:
         """One tiny greedy request through every path a real one takes (prefill, paged decode, sampling), so
@@ -108,10 +147,17 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, bm, sc = self.scheduler, self.scheduler.bm, self.scheduler.spec_counters
-        return EngineStats(bm.num_blocks, bm.num_free_blocks, bm.usage, len(s.running), len(s.waiting),
+        return EngineStats(bm.num_blocks, bm.num_free_blocks, bm.usage, len(s.running),
+                           len(s.waiting) + len(self._parked),
                            s.num_preemptions, bm.prefix_queries, bm.prefix_hits,
                            s.prompt_tokens_total, s.generation_tokens_total, sc.num_drafts, sc.num_draft_tokens,
                            sc.num_accepted_tokens, tuple(sc.accepted_per_pos))
+
+
+def _finished_early(req: Request, status: RequestStatus, error: str | None, now: float) -> StepOutput:
+    """The one output of a request that finished before the scheduler ever saw it."""
+    return StepOutput(req.request_id, [], status.finish_reason, 0, None, error,
+                      RequestTimings(None, None, now - req.arrival_time))
 
 
 def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:

@@ -9,33 +9,47 @@ Why llguidance (bench/RESULTS.md, "Structured outputs: grammar engine"): its com
 schema, so a compile bound is rarely reached), its mask plus apply is the cheapest at batch 1 and 16 on our CPU,
 and it depends on nothing (xgrammar pulls triton). EOS is in the mask only when the grammar may end.
 
-Compiling happens when the request is added (``LLMEngine.add_request`` -> ``prepare``), cached by the spec's
-canonical JSON, in a helper thread with a time bound: past it the request is refused (ValueError -> a 4xx),
-never left to stall the steps. The sampler is wrapped (``enable``), so the runner and sampler are unchanged.
+Compiles never run on the engine thread. ``prepare`` (from ``LLMEngine.add_request``) checks the spec's shape
+(a malformed one raises StructuredError, a 4xx) and either installs a copy of a cached matcher at once or queues
+the compile (the matcher's lexer build and its first mask) for a compile thread; the engine parks the request
+and ``collect``s at each step: a compiled one joins the scheduler, one whose compile failed or took longer than
+``compile_timeout_s`` is refused with the reason. The first compile also starts the tokenizer's one-time load
+(seconds, in a thread of its own); compiles start, and their bound counts, only once it has ended. The lexer
+build drops the GIL, and llguidance's own limits (lexer fuel, Earley items per step) bound a compile and each
+step's mask; a compile that runs past the bound anyway keeps its thread (threads cannot be killed) but no
+longer counts against the pool, so later compiles still start (at most ``MAX_OVERDUE`` threads more). Compiled
+matchers are cached by the spec's canonical JSON; a request gets a ``deep_copy`` (microseconds: the lexer and
+its lazily built states are shared). The sampler is wrapped (``enable``), so the runner and sampler are
+unchanged.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import re
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from workers.core.outputs import SampledToken
+from workers.grammar_compile import (Compile, Compiler, StructuredError, Waiter, failed_internally, in_thread,
+                                     refusal)
 from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 COMPILE_TIMEOUT_S = 5.0
+COMPILE_THREADS = 2  # compiles at once; the lexer build runs outside the GIL
+IDLE_POLL_S = 0.01  # an engine with only parked requests waits this long for a compile, then looks at its inbox
 _CACHE_SIZE = 256
 _KINDS = ("json_schema", "json_object", "regex", "choice")
-
-
-class StructuredError(ValueError):
-    """A grammar spec the engine cannot serve (bad JSON, an unsupported schema feature, too slow to compile)."""
 
 
 class InnerSampler(Protocol):
@@ -53,10 +67,25 @@ def _spec(text: str) -> dict[str, Any]:
     return spec
 
 
+def _check_fields(spec: dict[str, Any]) -> None:
+    """The spec's fields have the right shapes (cheap: no grammar is built)."""
+    kind = spec["type"]
+    if kind == "json_schema" and not isinstance(spec.get("schema"), (dict, bool)):
+        raise StructuredError("json_schema needs a 'schema' object")
+    if kind == "regex" and not isinstance(spec.get("pattern"), str):
+        raise StructuredError("regex needs a 'pattern' string")
+    if kind == "choice":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise StructuredError("choice needs a non-empty list of strings")
+
+
 def canonical(text: str) -> str:
     """The cache key: equal specs written differently (whitespace, top-level key order) share one compiled
-    grammar. Nested key order is kept: a schema's property order is the order the output is generated in."""
+    grammar. Nested key order is kept: a schema's property order is the order the output is generated in.
+    A spec whose fields have the wrong shapes raises StructuredError."""
     spec = _spec(text)
+    _check_fields(spec)
     return json.dumps({k: spec[k] for k in sorted(spec)}, separators=(",", ":"))
 
 
@@ -65,30 +94,35 @@ def grammar_for(spec_text: str) -> str:
     import llguidance
 
     spec = _spec(spec_text)
+    _check_fields(spec)
     kind = spec["type"]
     # Compact JSON: the model need not spend tokens on whitespace, and a random model cannot pad forever.
     defaults: Any = {"whitespace_flexible": False}
     try:
         if kind == "json_schema":
-            schema = spec.get("schema")
-            if not isinstance(schema, (dict, bool)):
-                raise StructuredError("json_schema needs a 'schema' object")
-            return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec["schema"]), defaults=defaults))
         if kind == "json_object":
             return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults))
         if kind == "regex":
-            pattern = spec.get("pattern")
-            if not isinstance(pattern, str):
-                raise StructuredError("regex needs a 'pattern' string")
-            return str(llguidance.LLMatcher.grammar_from_regex(pattern))
-        choices = spec.get("choices")
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-            raise StructuredError("choice needs a non-empty list of strings")
+            return str(llguidance.LLMatcher.grammar_from_regex(spec["pattern"]))
+        choices = spec["choices"]
         return str(llguidance.LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in choices)))
     except (ValueError, TypeError, RuntimeError) as e:
         if isinstance(e, StructuredError):
             raise
         raise StructuredError(f"unsupported {kind}: {e}") from None
+
+
+def new_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """(rows, ceil(V/32)) int32, all allowed. What llguidance.torch does, without importing it: its module
+    defines a torch.compile kernel, and importing torch._dynamo for it takes seconds (measured 2.4 s here)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+
+
+def fill_bitmask(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's next-token mask into ``bitmask[row]`` (a contiguous CPU int32 row, as from new_bitmask)."""
+    v = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -100,77 +134,189 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class StructuredOutputs:
-    """Grammar cache, per-request matchers, and the masking around a sampler."""
+    """Grammar cache, compiles off the engine thread, per-request matchers, and the masking around a sampler."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        self._tokenizer_source = tokenizer  # an HF tokenizer or its directory: loaded at first use
-        self._llg_tokenizer: Any = None
+    def __init__(self, tokenizer: Any, vocab_size: int, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._tokenizer_source = tokenizer  # an HF tokenizer or its directory: loaded for the first compile
+        self._tokenizer_load: concurrent.futures.Future[Any] | None = None  # the llguidance tokenizer
+        self._tokenizer_ready_at: float | None = None  # on ``clock``, seen by the engine thread
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._clock = clock
+        self._compiles: OrderedDict[str, Compile] = OrderedDict()  # by canonical spec; LRU over done ones
+        self._waiting: dict[str, Waiter] = {}  # request id -> the compile it is parked on
         self._matchers: dict[str, Any] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # late-bound so a test can replace _build on the instance
+        self._compiler = Compiler(lambda key: self._build(key), COMPILE_THREADS, compile_timeout_s, clock)
 
-    def _tokenizer(self) -> Any:
-        if self._llg_tokenizer is None:
-            import llguidance.hf
+    def _load_tokenizer(self) -> Any:
+        """In a thread, once: seconds (transformers' import, the vocabulary's token trie), some of it in native
+        calls that hold the GIL (up to ~0.25 s each on our CPU)."""
+        import llguidance.hf
 
-            tok = self._tokenizer_source
-            if isinstance(tok, (str, Path)):
-                from transformers import AutoTokenizer
+        tok = self._tokenizer_source
+        if isinstance(tok, (str, Path)):
+            from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(tok)
-            self._llg_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size)
-        return self._llg_tokenizer
+            tok = AutoTokenizer.from_pretrained(tok)
+        return llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size)
 
-    def _compile(self, key: str) -> str:
+    def _tokenizer_ready(self) -> bool:
+        """Starts the tokenizer's load at the first compile; True once it has ended (loaded or failed: then
+        each compile fails with its error)."""
+        if self._tokenizer_load is None:
+            self._tokenizer_load = in_thread(self._load_tokenizer, "grammar-tokenizer")
+        if not self._tokenizer_load.done():
+            return False
+        if self._tokenizer_ready_at is None:
+            self._tokenizer_ready_at = self._clock()
+        return True
+
+    def _build(self, key: str) -> Any:
+        """In a compile thread (started once the tokenizer is loaded): the spec's matcher, ready to be copied,
+        or StructuredError."""
         import llguidance
 
-        grammar = grammar_for(key)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
-        if is_error:
-            raise StructuredError(f"unsupported schema: {'; '.join(messages)}")
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar)  # builds the lexer: the costly part
+        if self._tokenizer_load is None:
+            raise RuntimeError("a compile started before the tokenizer's load")
+        matcher = llguidance.LLMatcher(self._tokenizer_load.result(), grammar_for(key))  # the GIL is dropped
+        if not matcher.is_error():
+            # The first mask builds the start state's lexer states lazily: here, not in the first step (the
+            # copies share them); it also surfaces a grammar too complex for one step's limits.
+            fill_bitmask(matcher, new_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            raise StructuredError(f"unsupported schema: {matcher.get_error()}")
-        return grammar
+            raise StructuredError(f"unsupported {_spec(key)['type']}: {matcher.get_error()}")
+        return matcher
 
-    def compiled(self, spec_text: str) -> str:
-        key = canonical(spec_text)
-        if key in self._grammars:
-            self._grammars.move_to_end(key)
-            return self._grammars[key]
-        future = self._pool.submit(self._compile, key)
-        try:
-            grammar = future.result(timeout=self.compile_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise StructuredError(f"the schema did not compile within {self.compile_timeout_s:g} s: "
-                                  "simplify it (fewer alternatives, bounded repetition)") from None
-        self._grammars[key] = grammar
-        if len(self._grammars) > _CACHE_SIZE:
-            self._grammars.popitem(last=False)
-        return grammar
+    def _pump(self) -> None:
+        if self._tokenizer_ready():  # no compile starts before: its bound would count the one-time load
+            self._compiler.pump()
 
-    def prepare(self, request_id: str, params: SamplingParams) -> None:
-        """At add_request: compile (or hit the cache) and create the request's matcher; refusals raise."""
+    def _compile_for(self, key: str) -> Compile:
+        """The compile for a canonical spec: cached (done or in flight), or a new one queued."""
+        job = self._compiles.get(key)
+        if job is not None and not job.future.cancelled() and not failed_internally(job):
+            self._compiles.move_to_end(key)
+            return job
+        job = self._compiles[key] = Compile(key)
+        self._compiles.move_to_end(key)
+        self._evict()
+        self._compiler.submit(job)
+        self._pump()
+        return job
+
+    def _evict(self) -> None:
+        while len(self._compiles) > _CACHE_SIZE:
+            oldest_done = next((k for k, j in self._compiles.items() if j.future.done()), None)
+            if oldest_done is None:
+                return  # all in flight: they leave once done
+            del self._compiles[oldest_done]
+
+    def prepare(self, request_id: str, params: SamplingParams) -> bool:
+        """At add_request. False: ready (no grammar, or a cached matcher installed). True: its compile is
+        pending; ``collect`` says when it is ready or refused. A malformed spec raises StructuredError."""
         if params.structured is None:
-            return
-        import llguidance
+            return False
+        job = self._compile_for(canonical(params.structured))
+        if job.future.done() and refusal(job.future) is None:
+            self._matchers[request_id] = job.future.result().deep_copy()
+            return False
+        job.waiters += 1
+        self._waiting[request_id] = Waiter(job, self._clock())
+        return True
 
-        self._matchers[request_id] = llguidance.LLMatcher(self._tokenizer(), self.compiled(params.structured))
+    def _deadline(self, w: Waiter) -> float | None:
+        """When a parked request is refused as too slow: the bound counts from its arrival or from the end of
+        the tokenizer's one-time load, whichever is later (that load is not the schema's doing)."""
+        if self._tokenizer_ready_at is None:
+            return None
+        return max(w.added, self._tokenizer_ready_at) + self.compile_timeout_s
+
+    def collect(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Never blocks. Returns the parked requests now ready (their matchers installed) and those refused,
+        with why (their compile failed or did not finish within the bound), each in the order they came."""
+        self._pump()
+        now = self._clock()
+        ready: list[str] = []
+        refused: list[tuple[str, str]] = []
+        for rid, w in list(self._waiting.items()):
+            deadline = self._deadline(w)
+            if w.compile.future.done():
+                why = refusal(w.compile.future)
+                if why is None:
+                    self._matchers[rid] = w.compile.future.result().deep_copy()
+                    ready.append(rid)
+                else:
+                    refused.append((rid, why))
+            elif deadline is not None and now >= deadline:
+                refused.append((rid, self._too_slow(w.compile)))
+            else:
+                continue
+            self._unpark(rid)
+        if refused:
+            self._pump()  # a compile that just went overdue frees its slot for the queue
+        return ready, refused
+
+    def _too_slow(self, job: Compile) -> str:
+        if job.started is None:
+            return (f"the grammar compiler was busy with other schemas for {self.compile_timeout_s:g} s; "
+                    "retry later")
+        return (f"the schema did not compile within {self.compile_timeout_s:g} s: simplify it (fewer "
+                "alternatives, bounded repetition)")
+
+    def _unpark(self, request_id: str) -> None:
+        w = self._waiting.pop(request_id)
+        w.compile.waiters -= 1
+        if w.compile.waiters == 0 and w.compile.future.cancel():  # still queued and nobody wants it now
+            if self._compiles.get(w.compile.key) is w.compile:
+                del self._compiles[w.compile.key]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` (or the first parked request's deadline) until a pending compile or the
+        tokenizer's load ends: for an engine that has nothing else to do, instead of spinning."""
+        if not self._waiting:
+            return
+        deadlines = [d for w in self._waiting.values() if (d := self._deadline(w)) is not None]
+        if deadlines:
+            timeout = max(0.0, min(timeout, min(deadlines) - self._clock()))
+        futures = {w.compile.future for w in self._waiting.values()}
+        if self._tokenizer_load is not None and not self._tokenizer_load.done():
+            futures.add(self._tokenizer_load)
+        concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def compiled(self, spec_text: str) -> Any:
+        """The compiled (template) matcher for a spec, blocking until its compile ends: for tests and tools;
+        the engine never waits for a compile."""
+        job = self._compile_for(canonical(spec_text))
+        job.waiters += 1
+        try:
+            while not job.future.done():
+                self._pump()
+                concurrent.futures.wait([job.future], 0.05)
+        finally:
+            job.waiters -= 1
+        why = refusal(job.future)
+        if why is not None:
+            raise StructuredError(why)
+        return job.future.result()
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        if request_id in self._waiting:
+            self._unpark(request_id)
 
     def mask(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows = [(i, self._matchers[r.request_id]) for i, r in enumerate(reqs) if r.request_id in self._matchers]
         if not rows:
             return logits
-        import llguidance.torch as lt
-
-        bitmask = lt.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = new_bitmask(len(rows), self.vocab_size, pin=logits.device.type == "cuda")
         for j, (_, m) in enumerate(rows):
-            lt.fill_next_token_bitmask(m, bitmask, j)
+            fill_bitmask(m, bitmask, j)
         index = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
         out = logits.clone()  # never write into the caller's tensor
         allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
@@ -203,20 +349,23 @@ class StructuredSampler:
         return getattr(self.inner, name)
 
 
-def enable(engine: Any, tokenizer: Any) -> StructuredOutputs:
-    """Give an engine structured outputs (tokenizer: an HF tokenizer or its directory, loaded lazily)."""
-    outputs = StructuredOutputs(tokenizer, engine.vocab_size)
+def enable(engine: Any, tokenizer: Any, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+           clock: Callable[[], float] = time.monotonic) -> StructuredOutputs:
+    """Give an engine structured outputs (tokenizer: an HF tokenizer or its directory, loaded lazily by the
+    first compile). ``clock`` times the compile bound (tests pass a fake one)."""
+    outputs = StructuredOutputs(tokenizer, engine.vocab_size, compile_timeout_s, clock)
     runner = engine.runner
     runner.sampler = StructuredSampler(runner.sampler, outputs)
     engine.structured = outputs
     return outputs
 
 
-def prepare(engine: Any, request_id: str, params: SamplingParams) -> None:
-    """The engine's add_request hook: a structured request on an engine without support is refused."""
+def prepare(engine: Any, request_id: str, params: SamplingParams) -> bool:
+    """The engine's add_request hook. True: the request waits for its grammar (``StructuredOutputs.collect``);
+    False: it can be scheduled now. A malformed spec, or one on an engine without support, raises."""
     if params.structured is None:
-        return
+        return False
     outputs: StructuredOutputs | None = getattr(engine, "structured", None)
     if outputs is None:
         raise StructuredError("this worker has no structured-output support (no tokenizer)")
-    outputs.prepare(request_id, params)
+    return outputs.prepare(request_id, params)
