@@ -1,7 +1,7 @@
 """The default deployment for real: ``kvgate serve --model smollm2`` answers the README's first question correctly.
 
 It runs ``--quantization auto``, which on a SIMD CPU keeps the GGUF's own Q4_1 blocks (as llama.cpp runs
-them) with 16-bit activations, so it answers as fp32 of those weights does: "What is the capital of France?" ->
+them) with 12-bit activations, so it answers as fp32 of those weights does: "What is the capital of France?" ->
 "... Paris." (llama.cpp's 8-bit activations, and this engine's ``int4-a8``, answer "L'Étoile, ..."; bench/RESULTS.md).
 The streamed answer must equal the non-streamed one although the second request hits the prefix cache."""
 

@@ -27,12 +27,12 @@ def kernel():  # type: ignore[no-untyped-def]
 
 
 def fake_quantize_int16(x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, K) fp64
-    """The kernel's activations: per block of 32, scale amax / 32767 (fp32), codes rounded half to even."""
+    """The kernel's activations: per block of 32, scale amax / 2047 (fp32, 12-bit codes), codes rounded half to even."""
     m, k = x.shape
     b = x.float().reshape(m, k // QK, QK)
-    sa = b.abs().amax(-1, keepdim=True) / 32767.0
+    sa = b.abs().amax(-1, keepdim=True) / 2047.0
     inv = torch.where(sa > 0, 1.0 / sa, torch.zeros_like(sa))
-    codes = torch.round(b * inv).clamp(-32767, 32767)
+    codes = torch.round(b * inv).clamp(-2047, 2047)
     return (codes.double() * sa.double()).reshape(m, k)
 
 
@@ -88,7 +88,8 @@ def test_a16_row_is_independent_of_its_call(kernel, bits: int) -> None:  # type:
 
 
 def test_a16_error_is_far_below_a8(kernel) -> None:  # type: ignore[no-untyped-def]
-    """Against fp32 of the same weights, on activations shaped like a model's (a few outlier channels)."""
+    """Against fp32 of the same weights, on activations shaped like a model's (a few outlier channels): 12-bit
+    codes round 16x finer than int8's (2047 vs 127 steps a block), so the largest error is at least 8x smaller."""
     g = torch.Generator().manual_seed(7)
     k, n = 576, 256
     x = torch.randn(64, k, generator=g)
@@ -98,7 +99,7 @@ def test_a16_error_is_far_below_a8(kernel) -> None:  # type: ignore[no-untyped-d
         ref = x.double() @ dequantize(w).double().T
         err16 = (_a16(kernel, x, w).double() - ref).abs().max().item()
         err8 = (kernel.qlinear(x, w.codes, w.d, w.m, None, bits).double() - ref).abs().max().item()
-        assert err16 * 50 <= err8, (bits, err16, err8)
+        assert err16 * 8 <= err8, (bits, err16, err8)
 
 
 def test_act_bits_is_checked(kernel) -> None:  # type: ignore[no-untyped-def]

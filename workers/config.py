@@ -21,7 +21,7 @@ class ModelConfig:
     seed: int = 0  # for requests that carry no seed of their own
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: torch's default)
     # Linear layers: "none" (fp32, token-identical to transformers: what the golden test pins), "int8" /
-    # "int4" (GGUF-style blocks, 16-bit activations, the C++ kernel), "int8-a8" / "int4-a8" (8-bit
+    # "int4" (GGUF-style blocks, 12-bit activations, the C++ kernel), "int8-a8" / "int4-a8" (8-bit
     # activations: faster, lower agreement with fp32), "auto" (the rule in workers.models.linear; "none" off the
     # CPU or below fp32). The offline LLM, `kvgate worker` and `kvgate serve` default to "auto"; this engine
     # config stays "none" so engine-level tests on tiny models keep their exact fp32 oracles.

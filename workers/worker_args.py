@@ -18,7 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto (the model's dtype), bfloat16/float16, or int8 (per token and head scales, CPU only)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "int8-a8", "int4-a8"],
-                   help="linear layers: none (fp32), int8/int4 (GGUF-style blocks, 16-bit activations, CPU), "
+                   help="linear layers: none (fp32), int8/int4 (GGUF-style blocks, 12-bit activations, CPU), "
                         "int8-a8/int4-a8 (8-bit activations: faster, less exact), auto (see README)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)

@@ -4,17 +4,17 @@
 // The scalar reference is qgemm_core.h's scalar::quantize_rows16 / scalar::gemm16; every path here is
 // bit-identical to it (tests/test_qgemm_a16.py).
 //
-// Why: int8 activations (the A8 path) flip ~1 argmax in 23 against fp32 of the same weights; int16 codes make
-// the activation rounding ~256x smaller while the block dots stay exact integer arithmetic.
+// Why: int8 activations (the A8 path) flip ~1 argmax in 23 against fp32 of the same weights; 12-bit codes (held
+// in int16) make the activation rounding ~16x smaller while the block dots stay exact integer arithmetic.
 //
 // Numerics (exact for finite x; every path, every M, row tiling, thread split of N):
 //  1. Activations, per row m and block b of 32 (x_i, i = 0..31):
-//       amax = max_i |x_i|;  sa = amax / 32767.0f;  id = sa != 0 ? 1.0f / sa : 0.0f;
-//       t_i = x_i * id;  t_i = t_i > -32767 ? t_i : -32767;  t_i = t_i < 32767 ? t_i : 32767  (maxps/minps
-//       semantics, so the NaN of 0 * inf, where sa is so small that 1 / sa overflows, is -32767 on every path);
-//       code_i = round-to-nearest-even(t_i) (int16);
-//       xsum_{m,b} = sa * (float)(sum_i code_i)   (the integer sum, |.| <= 2^20, converts exactly).
-//  2. isum_{m,n,b} = sum_i wcode_i * code_i, exact in int32 (Q4 wcode 0..15, Q8 -127..127; |isum| < 2^28).
+//       amax = max_i |x_i|;  sa = amax / C;  id = sa != 0 ? 1.0f / sa : 0.0f   (C = kCodeMax = 2047: 12 bits);
+//       t_i = x_i * id;  t_i = t_i > -C ? t_i : -C;  t_i = t_i < C ? t_i : C  (maxps/minps semantics, so the
+//       NaN of 0 * inf, where sa is so small that 1 / sa overflows, is -C on every path);
+//       code_i = round-to-nearest-even(t_i) (int16, |code_i| <= 2047);
+//       xsum_{m,b} = sa * (float)(sum_i code_i)   (the integer sum, |.| < 2^16, converts exactly).
+//  2. isum_{m,n,b} = sum_i wcode_i * code_i, exact in int32 (Q4 wcode 0..15, Q8 -127..127; |isum| < 2^23).
 //  3. Eight fp32 lanes acc_j = +0. Blocks in groups of 8: lane j of group g is block b = 8g + j; for b >= nb
 //     the block is padding with isum 0, d 0, m 0, sa 0, xsum 0 and is still applied. Per group, per lane:
 //       acc_j = fma((float)isum_b, d_b * sa_b, acc_j)     (d_b * sa_b one rounded fp32 product; (float) RNE)
@@ -39,11 +39,11 @@ static constexpr int64_t kPair16 = 64;
 // 32 floats -> 32 int16 codes in natural order, their scale and xsum (numerics 1).
 static inline void quantize_block16(const float* x, int16_t* c, float* scale, float* xsum) {
   __m256 v[4];
-  const float s = block_amax(x, v) / 32767.0f;
+  const float s = block_amax(x, v) / kCodeMax;
   const __m256 id = _mm256_set1_ps(s != 0.0f ? 1.0f / s : 0.0f);
-  const __m256 lo = _mm256_set1_ps(-32767.0f), hi = _mm256_set1_ps(32767.0f);
+  const __m256 lo = _mm256_set1_ps(-kCodeMax), hi = _mm256_set1_ps(kCodeMax);
   __m256i q[4];
-  for (int j = 0; j < 4; ++j)  // max then min: a NaN product lands on -32767, as the scalar path's ternaries
+  for (int j = 0; j < 4; ++j)  // max then min: a NaN product lands on -kCodeMax, as the scalar path's ternaries
     q[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], id), lo), hi));
   const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
   __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));

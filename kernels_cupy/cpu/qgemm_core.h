@@ -59,6 +59,11 @@ struct QArgs16 {
   float* out;          // (M, N)
 };
 
+// The A16 activation codes' bound (numerics 1, qgemm_a16.h): 12-bit codes in int16, so that on AMX a Q4 block's
+// code c = 16 h + l (l = c & 15, h = c >> 4 a signed byte) meets the weights w and 16 w (both bytes) in one tile
+// product of 64 bytes (qgemm_a16_amx.h).
+static constexpr float kCodeMax = 2047.0f;
+
 // Row strides of the A16 activation buffers for K (any path and layout: whole groups of 8 blocks).
 static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
 // From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16_lanes.h), below it the pair layout (qgemm_a16.h).
@@ -153,12 +158,12 @@ static void quantize_rows16(const float* x, int64_t rows, int64_t K, int16_t* q,
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + r * K + b * 32;
       const float amax = block_amax(v);
-      const float s = amax / 32767.0f, id = s != 0.f ? 1.0f / s : 0.f;
+      const float s = amax / kCodeMax, id = s != 0.f ? 1.0f / s : 0.f;
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i) {
         float t = v[i] * id;
-        t = t > -32767.f ? t : -32767.f;  // maxps then minps, operand for operand: NaN -> -32767
-        t = t < 32767.f ? t : 32767.f;
+        t = t > -kCodeMax ? t : -kCodeMax;  // maxps then minps, operand for operand: NaN -> -kCodeMax
+        t = t < kCodeMax ? t : kCodeMax;
         const int16_t c = static_cast<int16_t>(std::nearbyint(t));  // round to nearest even (default mode)
         q[r * qs + b * 32 + i] = c;
         sum += c;
@@ -304,7 +309,8 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
 static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M, int64_t K, int bits, int16_t* q,
                             int64_t qs, float* sa, float* xsum, int64_t ss) {
   const bool lanes = M >= kLaneRows;
-  if (M >= kAmxRows && amx_on()) return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss);
+  if (M >= kAmxRows && amx_on())
+    return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss, bits == 4);
   switch (isa()) {
     case kVnni: vnni::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;
     case kAvx2: avx2::quantize_rows16(x, rows, K, bits, lanes, q, qs, sa, xsum, ss); break;

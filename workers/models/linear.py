@@ -10,10 +10,11 @@ request's tokens and logprobs independent of its batch, its chunking and prefix-
 their reference (fp32 ``F.linear``, torch's BLAS), which is not batch-invariant: the worker logs it.
 
 Modes (weights x activations):
-- ``int4`` / ``int8``: the weights' own blocks, activations quantized per row and block of 32 to 16-bit
-  integer codes (W4A16 / W8A16 on the integer units: AVX2 ``vpmaddwd``, AVX-512 VNNI ``vpdpwssd``). The
-  activation rounding (2^-16 of a block's largest value) is far below the weights' own: these modes answer as
-  fp32 of the same weights does (bench/quality.py: top-1 agreement and perplexity in bench/RESULTS.md).
+- ``int4`` / ``int8``: the weights' own blocks, activations quantized per row and block of 32 to 12-bit
+  integer codes held in int16 (the "A16" kernel: AVX2 ``vpmaddwd``, AVX-512 VNNI ``vpdpwssd``, AMX tiles). The
+  activation rounding (2^-12 of a block's largest value) is far below the weights' own: these modes answer as
+  fp32 of the same weights does (bench/quality.py: top-1 agreement and perplexity in bench/RESULTS.md). 12 bits,
+  not 16: on AMX a 4-bit block then takes one tile product instead of two (qgemm_a16_amx.h).
 - ``int4-a8`` / ``int8-a8``: activations at 8 bits per block (llama.cpp's Q8_1 numerics): fewer integer
   operations, lower agreement with fp32 of the same weights. Available by name, never picked by ``auto``.
 - ``none``: fp32 weights (a GGUF de-quantized once), the fixed-order fp32 kernel (``flinear``).
@@ -71,7 +72,7 @@ class DenseLinear(nn.Module):
 
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ b) with W in blocks of 32; activations are quantized per row and block inside the
-    kernel (16-bit codes by default, 8-bit in the ``-a8`` modes)."""
+    kernel (12-bit codes by default, 8-bit in the ``-a8`` modes)."""
 
     codes: torch.Tensor  # (out, in/2) uint8 or (out, in) int8
     d: torch.Tensor  # (out, in/32) fp16: a decode step is bound by bytes read, and GGUF's scales are fp16
