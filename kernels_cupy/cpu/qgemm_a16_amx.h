@@ -27,6 +27,8 @@
 //   then runs a row at a time over every block with its 8 lane accumulators in registers.
 
 using vnni::QK;
+// Q4's single tile product needs h = c >> 4 in a signed byte: codes of 12 bits at most (qgemm_core.h, kCodeMax).
+static_assert(kCodeMax <= 2047.0f, "Q4 on AMX splits a code as 16 h + l with h a signed byte");
 static constexpr int64_t kChunk = 32;         // columns a pass: two halves of 16
 // Bytes of C a block: 2 halves x (Q8: lo and hi) x 16 x 16 int32, plus 3 cache lines: at a 4 KB stride every
 // block of a row would sit in one L1 set and its loads would wait on the tile stores of the next job to the
