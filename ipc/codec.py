@@ -180,7 +180,7 @@ def _spec(tag: int, cls: type[Any], decoders: tuple[FieldDecoder, ...]) -> _Spec
 _TIMINGS_SPEC: Final = _spec(0, EngineTimings, (_opt(_float), _opt(_float), _float, _list(_float)))
 _OUTPUT_SPEC: Final = _spec(
     0, RequestOutputMsg,
-    (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings))
+    (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings), _opt(_str))
 )
 # SamplingParams, field by field: max_tokens, temperature, top_k, top_p, min_p, seed, presence_penalty,
 # frequency_penalty, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, logprobs, structured.

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 6  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 7  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
-# 5: speculative-decoding counters in Stats; 6: Refused
+# 5: speculative-decoding counters in Stats; 6: Refused; 7: RequestOutputMsg.error_code
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -101,6 +101,9 @@ class RequestOutputMsg:
     logprobs: list[TokenLogprobs] | None  # one entry per new token when requested
     error: str | None
     timings: EngineTimings | None  # on the request's last output only
+    # With error: the OpenAI error code it maps to ("context_length_exceeded": the prompt can never fit;
+    # "invalid_request": its grammar cannot be compiled; "grammar_busy": no compile slot in time, retry)
+    error_code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,7 @@ def test_prompt_that_can_never_fit_finishes_with_reason(hf) -> None:  # type: ig
                 outs[o.request_id] = o
     big, ok = outs["big"], outs["ok"]
     assert big.finish_reason == "length" and big.new_token_ids == [] and "196 tokens" in big.error  # type: ignore[attr-defined]
+    assert big.error_code == "context_length_exceeded"  # type: ignore[attr-defined]
     assert ok.finish_reason == "length" and ok.error is None  # type: ignore[attr-defined]
 
 

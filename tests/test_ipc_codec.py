@@ -60,6 +60,8 @@ SAMPLES: list[Message] = [
     Refused("worker id 'w0' refused: key other may serve worker ids other and other/*"),
     HELLO,
     StepOutputs([OUTPUT, RequestOutputMsg("req-2", [], None, 0, None, "engine failed", None)], 48),
+    StepOutputs([RequestOutputMsg("req-3", [], "length", 0, None, "the schema did not compile", None,
+                                  "invalid_request")], 0),
     StepOutputs([RequestOutputMsg("r", [], "abort", 0, None, None, EngineTimings(None, None, 0.0, []))], 0),
     StepOutputs([], 512),  # a prefill chunk that sampled nothing
     STATS,

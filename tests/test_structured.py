@@ -133,6 +133,7 @@ def test_unsupported_grammars_finish_with_an_error(engine: LLMEngine, spec: str)
         outs = _outputs_until_idle(engine)
         assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [(rid, [], "length")]
         assert outs[0].error is not None and "unsupported" in outs[0].error
+        assert outs[0].error_code == "invalid_request"  # the schema's fault: a 400, not a context-length one
 
 
 def test_compile_cache_is_keyed_by_canonical_json(engine: LLMEngine) -> None:

@@ -171,6 +171,7 @@ def test_a_compile_past_its_bound_is_refused_and_later_compiles_still_run(tokeni
             (o,) = outs[rid]
             assert (o.new_token_ids, o.finish_reason) == ([], "length")
             assert o.error is not None and f"did not compile within {BOUND_S:g} s" in o.error
+            assert o.error_code == "invalid_request"
 
     hung_pair(0)
     assert MAX_OVERDUE >= COMPILE_THREADS  # the next steps assume room for one more stuck pair
@@ -183,7 +184,7 @@ def test_a_compile_past_its_bound_is_refused_and_later_compiles_still_run(tokeni
     assert eng.step() == []
     clock.t += BOUND_S + 1
     (o,) = _step_until(eng, _finished("ok2"), wall_s=30)["ok2"]
-    assert o.error is not None and "busy" in o.error
+    assert o.error is not None and "busy" in o.error and o.error_code == "grammar_busy"  # a 503: retry
     assert not any('"up"' in spec for spec, _ in begun)  # it never started: no thread beyond the cap
 
     gate.set()  # the stuck compiles end; their threads go, and their grammars are kept

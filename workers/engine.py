@@ -121,8 +121,8 @@ class LLMEngine:
         for rid in ready:
             self.scheduler.add_request(self._parked.pop(rid))
         now = self.scheduler.clock()
-        for rid, why in refused:
-            out.append(_finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now))
+        for rid, code, why in refused:
+            out.append(_finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now, code))
         return out
 
     def warm_up(self) -> None:
@@ -154,10 +154,11 @@ class LLMEngine:
                            sc.num_accepted_tokens, tuple(sc.accepted_per_pos))
 
 
-def _finished_early(req: Request, status: RequestStatus, error: str | None, now: float) -> StepOutput:
+def _finished_early(req: Request, status: RequestStatus, error: str | None, now: float,
+                    error_code: str | None = None) -> StepOutput:
     """The one output of a request that finished before the scheduler ever saw it."""
     return StepOutput(req.request_id, [], status.finish_reason, 0, None, error,
-                      RequestTimings(None, None, now - req.arrival_time))
+                      RequestTimings(None, None, now - req.arrival_time), error_code)
 
 
 def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:

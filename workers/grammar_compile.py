@@ -94,14 +94,15 @@ class Compiler:
                              name="grammar-compile", daemon=True).start()
 
 
-def refusal(future: concurrent.futures.Future[Any]) -> str | None:
-    """None when the compile succeeded, else why its requests are refused (the future is done)."""
+def refusal(future: concurrent.futures.Future[Any]) -> tuple[str, str] | None:
+    """None when the compile succeeded, else (error code, why) its requests are refused (the future is done):
+    the schema's fault is "invalid_request" (a 400), a crash of ours "internal_error" (a 500)."""
     exc = future.exception()
     if exc is None:
         return None
     if isinstance(exc, StructuredError):
-        return str(exc)
-    return f"the grammar could not be compiled ({type(exc).__name__}); this is a server error"
+        return "invalid_request", str(exc)
+    return "internal_error", f"the grammar could not be compiled ({type(exc).__name__}); this is a server error"
 
 
 def failed_internally(job: Compile) -> bool:

@@ -233,13 +233,14 @@ class StructuredOutputs:
             return None
         return max(w.added, self._tokenizer_ready_at) + self.compile_timeout_s
 
-    def collect(self) -> tuple[list[str], list[tuple[str, str]]]:
+    def collect(self) -> tuple[list[str], list[tuple[str, str, str]]]:
         """Never blocks. Returns the parked requests now ready (their matchers installed) and those refused,
-        with why (their compile failed or did not finish within the bound), each in the order they came."""
+        with an error code and why (their compile failed or did not finish within the bound), each in the order
+        they came."""
         self._pump()
         now = self._clock()
         ready: list[str] = []
-        refused: list[tuple[str, str]] = []
+        refused: list[tuple[str, str, str]] = []
         for rid, w in list(self._waiting.items()):
             deadline = self._deadline(w)
             if w.compile.future.done():
@@ -248,9 +249,9 @@ class StructuredOutputs:
                     self._matchers[rid] = w.compile.future.result().deep_copy()
                     ready.append(rid)
                 else:
-                    refused.append((rid, why))
+                    refused.append((rid, *why))
             elif deadline is not None and now >= deadline:
-                refused.append((rid, self._too_slow(w.compile)))
+                refused.append((rid, *self._too_slow(w.compile)))
             else:
                 continue
             self._unpark(rid)
@@ -258,12 +259,14 @@ class StructuredOutputs:
             self._pump()  # a compile that just went overdue frees its slot for the queue
         return ready, refused
 
-    def _too_slow(self, job: Compile) -> str:
+    def _too_slow(self, job: Compile) -> tuple[str, str]:
+        """(error code, why): never started is "doesn't fit now" (a 503 to retry); too slow to compile is the
+        schema's fault (a 400)."""
         if job.started is None:
-            return (f"the grammar compiler was busy with other schemas for {self.compile_timeout_s:g} s; "
-                    "retry later")
-        return (f"the schema did not compile within {self.compile_timeout_s:g} s: simplify it (fewer "
-                "alternatives, bounded repetition)")
+            return "grammar_busy", (f"the grammar compiler was busy with other schemas for "
+                                    f"{self.compile_timeout_s:g} s; retry later")
+        return "invalid_request", (f"the schema did not compile within {self.compile_timeout_s:g} s: simplify it "
+                                   "(fewer alternatives, bounded repetition)")
 
     def _unpark(self, request_id: str) -> None:
         w = self._waiting.pop(request_id)
@@ -302,7 +305,7 @@ class StructuredOutputs:
             job.waiters -= 1
         why = refusal(job.future)
         if why is not None:
-            raise StructuredError(why)
+            raise StructuredError(why[1])
         return job.future.result()
 
     def release(self, request_id: str) -> None:

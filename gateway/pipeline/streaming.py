@@ -42,7 +42,7 @@ def failure_to_api_error(e: RequestFailed) -> APIError:
         return APIError(408, e.message, code=e.code)
     if e.code == "timeout":
         return APIError(504, e.message, code="timeout")
-    if e.code in ("worker_died", "draining", "drain_timeout", "gateway_shutdown"):
+    if e.code in ("worker_died", "draining", "drain_timeout", "gateway_shutdown", "grammar_busy"):
         return APIError(503, e.message, code=e.code, retry_after=1.0)
     return APIError(500, e.message, code=e.code)
 
@@ -65,8 +65,8 @@ async def follow(handle: RequestHandle, asm: OutputAssembler, emit: Callable[[De
                 await ping()
                 continue
         for out in outs:
-            if out.error is not None:  # the prompt can never fit on this worker
-                raise RequestFailed("context_length_exceeded", out.error)
+            if out.error is not None:  # it could never run there: the worker says why and which error it is
+                raise RequestFailed(out.error_code or "context_length_exceeded", out.error)
             if out.finish_reason == "abort":  # the worker gave up on it (its deadline passed)
                 raise RequestFailed("timeout", "the request timed out")
             await emit(asm.add(out))

@@ -75,6 +75,7 @@ class StepOutput:
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # set when the request could never run (a 4xx for the client)
     timings: RequestTimings | None = None  # set on the request's last output only
+    error_code: str | None = None  # with error: the OpenAI error code (ipc.messages.RequestOutputMsg)
 
     @property
     def finished(self) -> bool:

@@ -234,7 +234,8 @@ class Scheduler:
     def take_finished_unreported(self) -> list[StepOutput]:
         now = self.clock()
         out = [StepOutput(r.request_id, [], r.status.finish_reason, max(r.num_cached_tokens, 0), None, r.error,
-                          _timings(r, now)) for r in self._finished_unreported]
+                          _timings(r, now), "context_length_exceeded" if r.error else None)
+               for r in self._finished_unreported]
         self._finished_unreported.clear()
         return out
 
