@@ -1,18 +1,25 @@
 """A client that stops reading costs the gateway a bounded amount: its stream is cut past MAX_PENDING_BYTES of
-untaken output, its KV freed on the worker (an Abort), while a client that keeps reading is never cut."""
+untaken output, or when all streams together pass the gateway's PendingBudget, its KV freed on the worker (an
+Abort) and every token its worker generated billed, while a client that keeps reading is never cut."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
-from gateway.pipeline.handle import MAX_PENDING_BYTES, RequestFailed, RequestHandle, output_bytes
+from gateway.pipeline.admission import RequestAccount
+from gateway.pipeline.choices import Choices
+from gateway.pipeline.generation import OutputAssembler
+from gateway.pipeline.handle import (CUTTABLE_BYTES, MAX_PENDING_BYTES, PendingBudget, RequestFailed, RequestHandle,
+                                     output_bytes)
 from gateway.fleet.pool import WorkerPool
 from gateway.pipeline.streaming import failure_to_api_error
 from ipc.messages import PROTOCOL_VERSION, Hello, RequestOutputMsg, StepOutputs
+from tests.test_gateway_units import _FakeTok
 
 LOGPROBS = 20
 
@@ -84,3 +91,72 @@ async def test_the_pool_aborts_a_stalled_stream_on_its_worker_and_keeps_the_othe
     assert pool.num_inflight == 1
     pool.release(stalled)  # the stream's own finally releases it again: a no-op
     assert pool.num_inflight == 1
+
+
+@pytest.mark.trio
+async def test_all_streams_together_stay_under_the_gateway_bound() -> None:
+    """1,000 stalled streams under 1 MiB each would hold 1 GiB: the gateway's budget cuts streams instead, the
+    ones holding the most first to pass CUTTABLE_BYTES, while a stream whose client reads is never cut."""
+    budget = PendingBudget(limit=8 << 20)
+    stalled = [RequestHandle(f"s{i}", "w0", 3, budget=budget) for i in range(1000)]
+    reading = RequestHandle("reading", "w0", 3, budget=budget)
+    per = output_bytes(_out("x", 1))
+    worst = 0
+    for step in range(200):  # 200 x 2.7 KB a stream: 540 MB in all without the budget
+        for h in stalled:
+            h.push(_out(h.request_id, step))
+        reading.push(_out("reading", step))
+        await reading.next_outputs()
+        worst = max(worst, budget.total)
+        assert budget.total == sum(h.pending_bytes() for h in stalled) + reading.pending_bytes()
+    assert worst <= budget.limit + 1000 * CUTTABLE_BYTES + per  # the stated bound
+    cut = [h for h in stalled if h.overflowed]
+    assert len(cut) == budget.cuts and 900 <= len(cut) < 1000  # most were cut; the survivors hold little
+    assert not reading.overflowed and all(h.num_pending() == 0 for h in cut)
+    for h in stalled:
+        h.close()
+    assert budget.total == 0  # closing a handle gives its bytes back
+
+
+class _Sink:
+    """Stands in for the ledger, the quota gate, the metrics and the trace of a RequestAccount."""
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+        self.settled: list[int] = []
+
+    def record_nowait(self, row: Any) -> None:
+        self.rows.append(row)
+
+    def settle(self, request_id: str, used: int) -> None:
+        self.settled.append(used)
+
+    def request_finished(self, *args: Any) -> None:
+        pass
+
+    def admitted(self, *args: Any) -> None:
+        pass
+
+    def request_ended(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.trio
+async def test_a_cut_stream_is_billed_for_every_token_its_worker_generated() -> None:
+    """Before, a request cut for a slow reader was billed for the tokens its client took (none here), though
+    its worker had generated and the gateway had dropped many more."""
+    h = RequestHandle("r", "w0", 3, max_pending_bytes=16 * 1024)
+    pushed = 0
+    while not h.overflowed:
+        h.push(_out("r", pushed))
+        pushed += 1
+    asm = OutputAssembler(_FakeTok(), (), False)  # type: ignore[arg-type]
+    choices = Choices.single(_Sink(), h, asm)  # type: ignore[arg-type]
+    assert choices.completion_tokens == 0 and choices.generated_tokens == pushed
+    sink = _Sink()
+    who: Any = SimpleNamespace(tenant_id="t", key_id="k", tenant_name="t", log_text=False)
+    account = RequestAccount(sink, sink, sink, who, "r", "m", 3, sink, True)  # type: ignore[arg-type]
+    account.worker = "w0"
+    account.end(choices, "client_too_slow")
+    [row] = sink.rows
+    assert row.completion_tokens == pushed and sink.settled == [3 + pushed]

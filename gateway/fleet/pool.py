@@ -28,7 +28,7 @@ import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.api.errors import unavailable
-from gateway.pipeline.handle import RequestFailed, RequestHandle
+from gateway.pipeline.handle import PendingBudget, RequestFailed, RequestHandle
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
 from gateway.fleet.routing import Router, prefix_keys
@@ -58,6 +58,7 @@ class WorkerPool:
         # Kills a local worker process the monitor gave up on (set by the supervisor); True if it was ours.
         self.kill_local: Callable[[str, int], bool] = lambda worker_id, pid: False
         self.workers: dict[str, WorkerState] = {}
+        self.pending = PendingBudget()  # output waiting for slow clients, all streams together (handle.py)
         self.identities = WorkerIdentities()  # which connection speaks for which worker (its authorize: CURVE's)
         self._requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None  # runs the per-worker senders
@@ -146,7 +147,7 @@ class WorkerPool:
             w.outbox.send_nowait(msg)
         except trio.WouldBlock:  # the worker has not read its pipe for a while: it can't take more now
             raise unavailable("the worker's queue is full; retry later", self.retry_after()) from None
-        handle = RequestHandle(request_id, wid, len(prompt_ids))
+        handle = RequestHandle(request_id, wid, len(prompt_ids), budget=self.pending)
         self._requests[request_id] = handle
         w.requests[request_id] = handle
         w.prompt_tokens += len(prompt_ids)

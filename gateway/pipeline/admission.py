@@ -170,12 +170,12 @@ class RequestAccount:
         self.worker: str | None = None  # set once a worker got it: from then on every end is billed
         self.done = False
 
-    def _row(self, choices: Choices, status: str) -> UsageRow:
+    def _row(self, choices: Choices, status: str, completion_tokens: int) -> UsageRow:
         now = time.monotonic()
         first = choices.first_token_at
         ttft = None if first is None else (first - self.started) * 1000.0
         return UsageRow(self.request_id, self._principal.tenant_id, self._principal.key_id, self.model,
-                        self.prompt_tokens, min(choices.cached_tokens, self.prompt_tokens), choices.completion_tokens,
+                        self.prompt_tokens, min(choices.cached_tokens, self.prompt_tokens), completion_tokens,
                         status, self.started_wall, time.time(), ttft, (now - self.started) * 1000.0)
 
     async def finish(self, choices: Choices) -> None:
@@ -183,7 +183,7 @@ class RequestAccount:
         if self.done:
             return
         self.done = True
-        row = self._row(choices, choices.finish_reason or "stop")
+        row = self._row(choices, choices.finish_reason or "stop", choices.completion_tokens)
         try:
             await self._ledger.record(row)
         finally:
@@ -196,10 +196,10 @@ class RequestAccount:
             return
         self.done = True
         used = 0
-        row = self._row(choices, status)
+        row = self._row(choices, status, choices.generated_tokens)  # a cut stream: what its worker generated
         if self.worker is not None:
             self._ledger.record_nowait(row)
-            used = self.prompt_tokens + choices.completion_tokens
+            used = self.prompt_tokens + row.completion_tokens
         self._gate.settle(self.request_id, used)
         self._report(row, choices)
 

@@ -107,6 +107,12 @@ class Choices:
         return sum(len(c.asm.token_ids) for c in self.children)
 
     @property
+    def generated_tokens(self) -> int:
+        """Tokens the workers generated for every sequence, taken by the client or not: what a request that did
+        not complete is billed (one cut for a slow reader generated more than its client took)."""
+        return sum(max(len(c.asm.token_ids), c.handle.generated_tokens) for c in self.children)
+
+    @property
     def cached_tokens(self) -> int:
         """Prompt tokens that every sequence found in the prefix cache (the prompt is billed once)."""
         return min((c.asm.num_cached_tokens for c in self.children), default=0)
