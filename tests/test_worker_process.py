@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -130,10 +131,13 @@ def test_abort_frees_kv_and_deadline_expires(worker) -> None:  # type: ignore[no
             break
 
 
-def test_exits_when_gateway_goes_away(tiny_dir: Path) -> None:
+def test_a_gateways_own_worker_exits_when_its_gateway_goes_away(tiny_dir: Path) -> None:
+    """A worker its gateway started (``--parent-pid``) exits once that gateway's connection has been gone 5 s,
+    even while its parent process lives (a gateway wedged or cut off). One started by hand stays and rejoins the
+    next gateway instead (issue 24 item 5, tests/test_external_worker.py)."""
     gw = FakeGateway()
     proc = subprocess.Popen([sys.executable, "-m", "workers.worker", "--connect", gw.addr, "--model", str(tiny_dir),
-                             "--kv-cache-tokens", "1024"])
+                             "--kv-cache-tokens", "1024", "--parent-pid", str(os.getpid())])
     try:
         assert isinstance(gw.recv(timeout_s=120), Hello)
         gw.close()  # like a SIGKILLed gateway: the TCP connection drops
