@@ -105,3 +105,24 @@ def test_two_gateways_sharing_redis_enforce_one_limit(two_gateways: tuple[Server
                                        headers={"Authorization": f"Bearer {a.api_key}"}, timeout=30),
                     lambda r: r.status_code == 200, within=10.0, what="admitted again once Redis is back",
                     interval=0.3)
+
+
+def test_two_gateways_sharing_redis_keep_one_token_budget_exactly(two_gateways: tuple[Server, Server]) -> None:
+    """Issue 24 item 6: a tenant's token budget across two gateways is one budget, to the token: a request of 12
+    prompt ids and 1 generated token costs 13 (reserved, then settled to the same), so a budget of 100 admits
+    exactly 7 whichever gateway gets which request, at once or in turns; the ledger holds exactly those 7."""
+    a, b = two_gateways
+    budget = Quota(token_budget=100, budget_period="day")
+    tenant_id, key = make_tenant(a, "budget-burst", quota=budget)
+    outs = run_concurrently([(f"{(a, b)[i % 2].url}{COMP}", key, _body(300 + i, 1)) for i in range(16)])
+    ok = [o for o in outs if o.status == 200]
+    assert len(ok) == 7 and all(o.body["usage"]["total_tokens"] == 13 for o in ok), [o.status for o in outs]
+    assert all(o.status == 429 and o.body["error"]["code"] == "insufficient_quota" for o in outs if o.status != 200)
+    turns_id, key2 = make_tenant(a, "budget-turns", quota=budget)
+    codes = [httpx.post(f"{(a, b)[i % 2].url}{COMP}", json=_body(400 + i, 1), timeout=30,
+                        headers={"Authorization": f"Bearer {key2}"}).status_code for i in range(9)]
+    assert codes == [200] * 7 + [429] * 2
+    with store_of(a) as store:
+        for tid in (tenant_id, turns_id):
+            rows = store.usage_rows(tid)
+            assert len(rows) == 7 and sum(r.prompt_tokens + r.completion_tokens for r in rows) == 91
