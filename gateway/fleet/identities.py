@@ -29,9 +29,9 @@ def allow_all(key: str | None, worker_id: str) -> str | None:
 class WorkerIdentities:
     def __init__(self, authorize: Authorize = allow_all) -> None:
         self.authorize = authorize
-        self._worker_of: dict[bytes, str] = {}  # routing id -> the worker id of the Hello it carried
+        # routing id -> (the worker id of the admitted Hello it carried, the key its connection holds)
+        self._bound: dict[bytes, tuple[str, str | None]] = {}
         self._routing_of: dict[str, bytes] = {}  # worker id -> its one current routing id
-        self._key_of: dict[str, str | None] = {}  # worker id -> the key its current connection holds
         self._logged: set[tuple[str, str | None]] = set()
 
     def refusal(self, key: str | None, worker_id: str) -> str | None:
@@ -52,21 +52,21 @@ class WorkerIdentities:
         """After an admitted Hello: ``identity`` speaks for ``worker_id`` (a previous connection no longer does)."""
         old = self._routing_of.get(worker_id)
         if old is not None and old != identity:
-            self._worker_of.pop(old, None)
-        previous = self._worker_of.get(identity)
-        if previous is not None and previous != worker_id:  # one socket renamed itself: its old id loses it
-            self._routing_of.pop(previous, None)
-        self._worker_of[identity] = worker_id
+            self._bound.pop(old, None)
+        previous = self._bound.get(identity)
+        if previous is not None and previous[0] != worker_id:  # one socket renamed itself: its old id loses it
+            self._routing_of.pop(previous[0], None)
+        self._bound[identity] = (worker_id, key)
         self._routing_of[worker_id] = identity
-        self._key_of[worker_id] = key
 
     def worker_for(self, identity: bytes, key: str | None) -> str | None:
         """The worker id a non-Hello frame speaks for: None for a connection that never said an admitted Hello
         (or whose key is not the one bound: impossible unless a routing id leaked; then refused, loudly)."""
-        wid = self._worker_of.get(identity)
-        if wid is None:
+        bound = self._bound.get(identity)
+        if bound is None:
             return None
-        if self._key_of.get(wid) != key:
+        wid, bound_key = bound
+        if bound_key != key:
             log.error("dropping a frame for worker %s: its connection's key is not the one bound to it", wid)
             return None
         return wid
