@@ -82,6 +82,10 @@ def _tenancy_args(t: argparse._ActionsContainer) -> None:
                    help="admit without limits while Redis is unreachable (default: refuse with 503)")
     t.add_argument("--auth-failures-per-minute", type=int, default=20, help="per client address, then 429")
     t.add_argument("--no-demo-tenant", action="store_true", help="do not create tenant 'demo' on an empty store")
+    t.add_argument("--responses-retention-days", type=float,
+                   default=os.environ.get("KVGATE_RESPONSES_RETENTION_DAYS", "30"),  # argparse applies type
+                   help="keep stored /v1/responses objects this long, then delete them (default 30; env "
+                        "KVGATE_RESPONSES_RETENTION_DAYS)")
 
 
 def _engine_args(g: argparse._ActionsContainer) -> None:
@@ -130,7 +134,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         tenancy=TenancyConfig(db_path=a.db, admin_token=a.admin_token, redis_url=a.redis_url,
                               redis_fail_open=a.redis_fail_open,
                               auth_failures_per_minute=a.auth_failures_per_minute,
-                              demo_tenant=not a.no_demo_tenant),
+                              demo_tenant=not a.no_demo_tenant,
+                              responses_retention_days=a.responses_retention_days),
         engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
                           a.max_num_batched_tokens, a.target_step_ms, a.quantization, a.kv_cache_dtype,
                           a.kv_cache_memory_gib, a.speculative_config, a.num_threads),

@@ -106,6 +106,7 @@ class TenancyConfig:
     auth_cache_ttl: float = 1.0  # seconds a key's tenant and quotas are cached (CLI changes apply within it)
     auth_failures_per_minute: int = 20  # failed authentications allowed per client address
     demo_tenant: bool = True  # on an empty store, create tenant "demo" and print its key once
+    responses_retention_days: float = 30.0  # stored /v1/responses objects older than this are gone (and pruned)
 
     def __post_init__(self) -> None:
         if not self.db_path:
@@ -116,6 +117,8 @@ class TenancyConfig:
             raise ValueError("auth_cache_ttl must be in (0, 2] seconds: revocations must apply within 2 s")
         if self.auth_failures_per_minute < 1:
             raise ValueError("--auth-failures-per-minute must be >= 1")
+        if not 0 < self.responses_retention_days < float("inf"):
+            raise ValueError(f"--responses-retention-days must be > 0, got {self.responses_retention_days}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ from gateway.fleet.worker_auth import WorkerAuth, start_worker_auth
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret
+from gateway.responses.stored import StoredResponses
 from tenancy.db_backend import redact
+from tenancy.responses_store import ResponseStore
 from tenancy.store import TenancyStore, open_store
 
 if TYPE_CHECKING:
@@ -153,9 +155,12 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
         async with trio.open_nursery() as outer:
             tenancy = Tenancy(store, Authenticator(store, secret, ttl=cfg.tenancy.auth_cache_ttl,
                                                    failures_per_minute=cfg.tenancy.auth_failures_per_minute),
-                              QuotaGate(limiter), UsageLedger(store.record_usage))
+                              QuotaGate(limiter), UsageLedger(store.record_usage),
+                              StoredResponses(ResponseStore(store.backend,
+                                                            cfg.tenancy.responses_retention_days * 86400.0)))
             await outer.start(tenancy.ledger.run)  # first in, last out: rows of ending requests still land
             await outer.start(tenancy.quota.run)
+            await outer.start(tenancy.responses.run)  # prunes expired stored responses
             gm = GatewayMetrics(cfg.model_name)
             pool = WorkerPool(sock, cfg.model_name, cfg.timing, cfg.admission,
                               lambda: supervisor.restart_eta() if supervisor is not None else None, gm)

@@ -13,6 +13,7 @@ from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.pipeline.ledger import UsageLedger
 from gateway.fleet.pool import WorkerPool
 from gateway.pipeline.tokenizer import GatewayTokenizer
+from gateway.responses.stored import StoredResponses
 from gateway.telemetry.tracing import Tracing
 from tenancy.store import TenancyStore
 
@@ -25,6 +26,7 @@ class Tenancy:
     auth: Authenticator
     quota: QuotaGate
     ledger: UsageLedger
+    responses: StoredResponses  # the Responses API's stored objects (same database as the store)
 
 
 @dataclass

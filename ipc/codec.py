@@ -28,6 +28,7 @@ from ipc.messages import (
     Goodbye,
     Hello,
     Message,
+    PromptLogprob,
     Refused,
     RequestError,
     RequestOutputMsg,
@@ -148,6 +149,11 @@ def _token_logprobs(v: object, where: str) -> TokenLogprobs:
     return _float(sampled, f"{where}[0]"), _list(_top_logprob)(top, f"{where}[1]")
 
 
+def _prompt_logprob(v: object, where: str) -> PromptLogprob:
+    lp, rank, top = _array(v, where, 3)
+    return _float(lp, f"{where}[0]"), _int(rank, f"{where}[1]"), _list(_top_logprob)(top, f"{where}[2]")
+
+
 def _engine_timings(v: object, where: str) -> EngineTimings:
     return EngineTimings(*_decode_fields(_TIMINGS_SPEC, _array(v, where), where))
 
@@ -180,14 +186,16 @@ def _spec(tag: int, cls: type[Any], decoders: tuple[FieldDecoder, ...]) -> _Spec
 _TIMINGS_SPEC: Final = _spec(0, EngineTimings, (_opt(_float), _opt(_float), _float, _list(_float)))
 _OUTPUT_SPEC: Final = _spec(
     0, RequestOutputMsg,
-    (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings), _opt(_str))
+    (_str, _int_list, _opt(_str), _int, _opt(_list(_token_logprobs)), _opt(_str), _opt(_engine_timings), _opt(_str),
+     _opt(_list(_prompt_logprob)))
 )
 # SamplingParams, field by field: max_tokens, temperature, top_k, top_p, min_p, seed, presence_penalty,
-# frequency_penalty, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, logprobs, structured.
+# frequency_penalty, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, logprobs, structured,
+# prompt_logprobs.
 _SAMPLING_SPEC: Final = _spec(
     0, SamplingParams,
     (_opt(_int), _float, _int, _float, _float, _opt(_int), _float, _float, _float, _int, _int_list, _bool,
-     _opt(_int), _opt(_str))
+     _opt(_int), _opt(_str), _opt(_int))
 )
 _NESTED: Final[Mapping[type[Any], _Spec]] = MappingProxyType({EngineTimings: _TIMINGS_SPEC,
                                                               RequestOutputMsg: _OUTPUT_SPEC,

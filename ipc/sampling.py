@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token; 0 = only the sampled token
     structured: str | None = None  # a grammar spec as JSON (workers/structured.py); None: unconstrained
+    # vLLM's prompt_logprobs: for every prompt token after the first, its logprob given the tokens before it and
+    # this many alternatives; such a request computes its whole prompt (no prefix-cache hit), once
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # frozen: normalise a list of stop ids into a tuple so params stay hashable and immutable
@@ -47,7 +50,7 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"{name} must be an integer or None, got {v!r}")
@@ -82,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -64,6 +64,19 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (2, ("CREATE INDEX usage_key_time ON usage(key_id, started_at)",)),
     # Opt-in logging of prompt/completion text; existing tenants get the default (off), never text by surprise.
     (3, ("ALTER TABLE tenants ADD COLUMN log_text INTEGER NOT NULL DEFAULT 0 CHECK (log_text IN (0, 1))",)),
+    # Stored Responses API objects (tenancy/responses_store.py). A tenant's stored responses are its data: they go
+    # with it (unlike its ledger rows). JSON in TEXT columns: read whole, never queried inside.
+    (4, (
+        """CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            created_at REAL NOT NULL,
+            body TEXT NOT NULL,
+            input_items TEXT NOT NULL,
+            context TEXT NOT NULL
+        )""",
+        "CREATE INDEX responses_created ON responses(created_at)",
+    )),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

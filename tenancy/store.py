@@ -66,6 +66,11 @@ class TenancyStore:
     def dialect(self) -> str:
         return self._db.dialect.name
 
+    @property
+    def backend(self) -> Backend:
+        """The open database, for the stores that share it (tenancy/responses_store.py)."""
+        return self._db
+
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return self._db.read(sql, params)
 

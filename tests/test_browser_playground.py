@@ -217,3 +217,38 @@ def test_the_csp_blocks_inline_handlers_on_the_real_page(page: BrowserPage) -> N
     })""")
     assert violated.startswith("script-src")
     assert page.page.evaluate("window.__ran") is None
+
+
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}]
+
+
+def test_tool_calls_are_shown_and_answered_with_tool_results(page: BrowserPage, web_server: Server,
+                                                             shots: Path) -> None:
+    params = {"temperature": 0, "max_tokens": 120}
+    ready_to_chat(page, web_server.api_key, tools=json.dumps(WEATHER_TOOL), **params)
+    page.page.select_option("#tool_choice", "required")
+    ask(page, "What is the weather?")
+    assert answer_state(page, "done", "error") == "done", page.text("#error")
+    shown = page.page.evaluate(f"[...{LAST_ANSWER}.querySelectorAll('.toolcall')].map((n) => n.textContent)")
+    same = httpx.post(f"{web_server.url}/v1/chat/completions", headers=web_server.headers, timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the weather?"}], "tools": WEATHER_TOOL,
+        "tool_choice": "required", **params}).json()
+    calls = same["choices"][0]["message"]["tool_calls"]
+    # the page accumulated the streamed deltas into what the plain request returns (greedy: the same tokens)
+    assert shown == [f"→ {c['function']['name']}({c['function']['arguments']})" for c in calls]
+    assert "Result of get_weather" in page.page.get_attribute("#prompt", "placeholder")
+    page.page.select_option("#tool_choice", "none")  # the next turn answers in text
+    for i in range(len(calls)):
+        ask(page, '{"sky": "sunny"}')
+        page.wait_for(f"document.querySelectorAll('.msg.tool').length === {i + 1}")
+    assert answer_state(page, "done", "error") == "done", page.text("#error")
+    assert page.page.evaluate(f"{LAST_ANSWER}.querySelectorAll('.toolcall').length") == 0
+    with page.page.expect_download() as download:
+        page.page.click("#export")
+    messages = json.loads(Path(download.value.path()).read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] + ["tool"] * len(calls) + ["assistant"]
+    assert [m["tool_call_id"] for m in messages[2:-1]] == [c["id"] for c in messages[1]["tool_calls"]]
+    page.page.screenshot(path=str(shots / "playground-tools.png"), full_page=True)
+    assert page.errors == []

@@ -1,7 +1,8 @@
 """One question, one answer: a request's tokens and logprobs are bit-identical whatever else happens in the
 engine: served cold or on a prefix-cache hit, prefilled in chunks of 16 or 512 tokens, preempted and recomputed,
 sharing its steps with a random mix of other requests arriving at other times, verified with n-gram drafts, on
-1 or 2 threads. In every quantization mode, on a tiny random model and on smollm2.
+1 or 2 threads. In every quantization mode, on a tiny random model and on smollm2. The prompt's own logprobs
+(``prompt_logprobs``) likewise.
 
 Each scenario runs the same probe requests and compares them with torch.equal-strict equality (tokens and every
 logprob float) against the probes served one at a time on a fresh engine. The probes are long enough (up to 150
@@ -29,7 +30,7 @@ from workers.models.llama import LlamaConfig, LlamaForCausalLM
 MODES = ["none", "int8", "int4", "int8-a8", "int4-a8"]
 # Drafts on every step whatever the batch, so verify steps really run beside other rows.
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=10_000, acceptance_threshold=0.0)
-Answer = tuple[list[int], list[Any]]  # tokens, logprobs per token
+Answer = tuple[list[int], list[Any], list[Any]]  # tokens, logprobs per token, prompt logprobs
 
 
 @pytest.fixture(autouse=True)
@@ -59,16 +60,19 @@ def drain(eng: LLMEngine, pending: list[tuple[str, list[int], SamplingParams]] |
             return out
         for o in eng.step():
             assert o.error is None, o.error
-            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks, lps, prompt_lps = out.setdefault(o.request_id, ([], [], []))
             toks.extend(o.new_token_ids)
             lps.extend(o.logprobs or [])
+            prompt_lps.extend(o.prompt_logprobs or [])
     raise RuntimeError("engine did not finish")
 
 
-def probe_params(sampled: bool) -> SamplingParams:
-    if sampled:  # a seeded draw: the same seed gives the same tokens wherever it runs
+def probe_params(i: int) -> SamplingParams:
+    if i == 0:  # a seeded draw: the same seed gives the same tokens wherever it runs
         return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)
-    return SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+    # the last probe also scores its prompt (never from the prefix cache: computed, chunked like the others)
+    return SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3,
+                          prompt_logprobs=3 if i == 2 else None)
 
 
 def others(rng: random.Random, vocab: int, n: int) -> list[tuple[str, list[int], SamplingParams]]:
@@ -84,7 +88,7 @@ def others(rng: random.Random, vocab: int, n: int) -> list[tuple[str, list[int],
 
 def check_scenarios(model: LlamaForCausalLM, max_len: int, mode: str, probes: list[list[int]], vocab: int,
                     spec: bool = True) -> None:
-    reqs = [(f"probe{i}", p, probe_params(sampled=i == 0)) for i, p in enumerate(probes)]
+    reqs = [(f"probe{i}", p, probe_params(i)) for i, p in enumerate(probes)]
     greedy = reqs[1:]  # seeded sampling under drafts is distributed as without them, but not the same draws
 
     cold = engine(model, max_len, mode)
@@ -92,6 +96,7 @@ def check_scenarios(model: LlamaForCausalLM, max_len: int, mode: str, probes: li
     for r in reqs:  # one at a time, each on a cache that holds nothing of it
         cold.add_request(*r)
         want.update(drain(cold))
+    assert len(want["probe2"][2]) == len(probes[2]) - 1  # a logprob for every prompt token after the first
     for r in reqs:  # the same engine again: every prompt now hits the prefix cache
         cold.add_request(*r)
     assert drain(cold) == want, "prefix-cache hit"

@@ -64,6 +64,9 @@ SAMPLES: list[Message] = [
                                   "invalid_request")], 0),
     StepOutputs([RequestOutputMsg("r", [], "abort", 0, None, None, EngineTimings(None, None, 0.0, []))], 0),
     StepOutputs([], 512),  # a prefill chunk that sampled nothing
+    Generate("r", [1, 2, 3], SamplingParams(logprobs=2, prompt_logprobs=20), None, 1.0, None, None),
+    StepOutputs([RequestOutputMsg("r", [5], None, 0, None, None, None, None,
+                                  [(-1.5, 3, [(7, -0.2), (9, -1.0)]), (-math.inf, 49152, [])])], 3),
     STATS,
     RequestError("req-3", "prompt is longer than max_model_len", "prompt_too_long"),
     Goodbye("worker-0", "drained ✓"),
@@ -185,6 +188,8 @@ MALFORMED: dict[str, bytes] = {
     "output too short": _pack([_frame(StepOutputs([], 0))[0], [["r", [1]]]]),
     "logprob pair arity": _gen_output(logprobs=[[-0.1, [[42]]], [-1.0, []]]),
     "logprob entry arity": _gen_output(logprobs=[[-0.1]]),
+    "prompt logprob rank not int": _gen_output(prompt_logprobs=[[-0.1, 1.5, []]]),
+    "prompt logprob arity": _gen_output(prompt_logprobs=[[-0.1, []]]),
     # field types
     "request_id int": _with(GENERATE, 1, 5),
     "request_id bytes": _with(GENERATE, 1, b"req-1"),
@@ -194,6 +199,8 @@ MALFORMED: dict[str, bytes] = {
     "prompt nil token": _with(GENERATE, 2, [None]),
     "sampling a map (protocol 3)": _with(GENERATE, 3, {"temperature": 1.0}),
     "sampling too short": _with(GENERATE, 3, _frame(GENERATE)[3][:-1]),
+    "prompt_logprobs out of range": _with_sampling(14, 21),
+    "prompt_logprobs not int": _with_sampling(14, "3"),
     "sampling nested list": _with_sampling(10, [[1, 2]]),
     "sampling bytes value": _with_sampling(13, b"\x00"),
     "sampling ext value": _with_sampling(13, msgpack.ExtType(5, b"x")),

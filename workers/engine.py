@@ -18,7 +18,7 @@ import torch
 from kernels_cupy.interface import AttentionBackend
 from workers.config import CacheConfig, EngineConfig
 from workers.core.block_manager import BlockManager
-from workers.core.outputs import EngineStats, RequestTimings, Sampled, SchedulerOutput, StepOutput
+from workers.core.outputs import EngineStats, RequestTimings, RunnerOutput, SchedulerOutput, StepOutput
 from workers.core.request import Request, RequestStatus
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
@@ -34,7 +34,7 @@ _KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: codes + per-row scales (ke
 
 
 class Runner(Protocol):
-    def execute(self, plan: SchedulerOutput) -> dict[str, Sampled]: ...
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
     def release(self, request_id: str) -> None: ...
 
 
@@ -103,8 +103,8 @@ class LLMEngine:
                 # still sees its inbox: new requests, aborts)
                 self.structured.wait(structured.IDLE_POLL_S)
             return outputs
-        sampled = self.runner.execute(plan)
-        outputs = early + self.scheduler.update_from_output(plan, sampled)
+        result = self.runner.execute(plan)
+        outputs = early + self.scheduler.update_from_output(plan, result.sampled, result.prompt_logprobs)
         for o in outputs:
             if o.finished:
                 self.runner.release(o.request_id)

@@ -6,14 +6,14 @@ first, then prefill chunks, all concatenated with no padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
 from kernels_cupy.kv_quant import row_bytes, row_width
 from workers import spec_verify
-from workers.core.outputs import Sampled, ScheduledRequest, SchedulerOutput
+from workers.core.outputs import PromptLogprob, RunnerOutput, ScheduledRequest, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler
 
@@ -23,8 +23,10 @@ class StepInputs:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) int64 rows of the flat batch whose next token is sampled
-    sampled: list[ScheduledRequest]  # (S,) the requests those rows belong to
+    logits_indices: torch.Tensor  # (S + R,) int64 rows of the flat batch: S sampled, then R prompt-logprob rows
+    sampled: list[ScheduledRequest]  # (S,) the requests the sampled rows belong to
+    # (R,) per prompt-logprob row: its request id and the prompt token that follows its position
+    prompt_targets: list[tuple[str, int]] = field(default_factory=list)
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -49,11 +51,15 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, Sampled]:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         inputs = self.prepare(plan)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
-                            inputs.logits_indices)  # (S, V)
-        return spec_verify.sample_step(self.sampler, logits, inputs.sampled)  # drafts verified there
+                            inputs.logits_indices)  # (S + R, V)
+        s = len(inputs.logits_indices) - len(inputs.prompt_targets)
+        sampled = spec_verify.sample_step(self.sampler, logits[:s], inputs.sampled)  # drafts verified there
+        if not inputs.prompt_targets:
+            return RunnerOutput(sampled)
+        return RunnerOutput(sampled, prompt_logprobs(logits[s:], inputs.prompt_targets, plan))
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -65,6 +71,8 @@ class ModelRunner:
         slens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt_rows: list[int] = []
+        targets: list[tuple[str, int]] = []
         for s in order:
             start, n = s.request.num_computed_tokens, s.num_new_tokens
             ids.extend(s.input_token_ids())  # with a draft: the last token, then the drafted ones
@@ -77,6 +85,11 @@ class ModelRunner:
             if s.samples:  # a draft of k tokens: k + 1 rows, verified together
                 logits_rows.extend(range(len(ids) - 1 - len(s.spec_token_ids), len(ids)))
                 sampled.append(s)
+            if s.request.needs_prompt_logprobs:  # positions up to the last but one of the prompt
+                req, base = s.request, len(ids) - n
+                for i in range(start, min(start + n, req.num_prompt_tokens - 1)):
+                    prompt_rows.append(base + i - start)
+                    targets.append((req.request_id, req.prompt_token_ids[i + 1]))
         max_blocks = max(-(-L // bs) for L in slens)
         tables = [s.block_table[: -(-L // bs)] for s, L in zip(order, slens)]
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -93,4 +106,23 @@ class ModelRunner:
             num_decodes=nd, max_seq_len=max(slens))
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(pos, dtype=torch.int64, device=dev), meta,
-                          torch.tensor(logits_rows, dtype=torch.int64, device=dev), sampled)
+                          torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev), sampled, targets)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[str, int]],
+                    plan: SchedulerOutput) -> dict[str, list[PromptLogprob]]:
+    """Per request, the logprob, rank and top-N of each prompt token given the ones before it.
+    logits: (R, V) fp32, row i predicting targets[i]'s token."""
+    top_n = {s.request.request_id: s.request.params.prompt_logprobs or 0 for s in plan.scheduled}
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    tokens = torch.tensor([t for _, t in targets], dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, tokens[:, None])  # (R, 1)
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()  # 1 = the argmax
+    k = max(top_n.values())
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # (R, k)
+    out: dict[str, list[PromptLogprob]] = {}
+    for row, ((rid, _), value, rank) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks)):
+        n = top_n[rid]
+        top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist()))
+        out.setdefault(rid, []).append((value, rank, top))
+    return out

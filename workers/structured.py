@@ -3,7 +3,8 @@ request's logits row before sampling, the matcher advanced with each sampled tok
 
 The request carries its grammar as ``SamplingParams.structured``, a JSON string (the gateway builds it from
 OpenAI's ``response_format`` or vLLM's ``guided_*``): ``{"type": "json_schema", "schema": {...}}``,
-``{"type": "json_object"}``, ``{"type": "regex", "pattern": "..."}`` or ``{"type": "choice", "choices": [...]}``.
+``{"type": "json_object"}``, ``{"type": "regex", "pattern": "..."}``, ``{"type": "choice", "choices": [...]}`` or
+``{"type": "lark", "grammar": "..."}`` (llguidance's Lark syntax; what tool calling sends).
 
 Why llguidance (bench/RESULTS.md, "Structured outputs: grammar engine"): its compile is lazy (ms for a moderate
 schema, so a compile bound is rarely reached), its mask plus apply is the cheapest at batch 1 and 16 on our CPU,
@@ -49,7 +50,7 @@ COMPILE_TIMEOUT_S = 5.0
 COMPILE_THREADS = 2  # compiles at once; the lexer build runs outside the GIL
 IDLE_POLL_S = 0.01  # an engine with only parked requests waits this long for a compile, then looks at its inbox
 _CACHE_SIZE = 256
-_KINDS = ("json_schema", "json_object", "regex", "choice")
+_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 
 class InnerSampler(Protocol):
@@ -74,6 +75,8 @@ def _check_fields(spec: dict[str, Any]) -> None:
         raise StructuredError("json_schema needs a 'schema' object")
     if kind == "regex" and not isinstance(spec.get("pattern"), str):
         raise StructuredError("regex needs a 'pattern' string")
+    if kind == "lark" and not isinstance(spec.get("grammar"), str):
+        raise StructuredError("lark needs a 'grammar' string")
     if kind == "choice":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
@@ -105,6 +108,8 @@ def grammar_for(spec_text: str) -> str:
             return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults))
         if kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(spec["pattern"]))
+        if kind == "lark":  # tool calling's grammar (gateway.pipeline.tools), %json bodies inside
+            return str(llguidance.LLMatcher.grammar_from_lark(spec["grammar"]))
         choices = spec["choices"]
         return str(llguidance.LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in choices)))
     except (ValueError, TypeError, RuntimeError) as e:

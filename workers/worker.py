@@ -40,7 +40,7 @@ def to_msg(o: StepOutput) -> RequestOutputMsg:
     t = o.timings
     timings = None if t is None else EngineTimings(t.scheduled, t.first_token, t.finished, list(t.preempted))
     return RequestOutputMsg(o.request_id, list(o.new_token_ids), o.finish_reason, o.num_cached_tokens,
-                            o.logprobs, o.error, timings, o.error_code)
+                            o.logprobs, o.error, timings, o.error_code, o.prompt_logprobs)
 
 
 class Worker:

@@ -3,6 +3,8 @@
 Every request is: auth -> read and parse the body (400/413 on anything malformed) -> validate and tokenize
 (``gateway.pipeline.protocol``) -> quota -> ``pool.submit``, once per sequence (503 when nobody can take it) ->
 answer (JSON) or stream (SSE). Each request is traced from here to its end (see ``gateway.telemetry.tracing``).
+The steps are separate functions (``traced``, ``tokenize``, ``reserve``, ``submit``, ``start_stream``) because the
+Responses API (``gateway.api.responses_routes``) runs the same ones around its own translation and events.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import trio
 from quart import Response, g, request
@@ -26,13 +30,15 @@ from gateway.pipeline.choices import Choices, submit_all
 from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
-from gateway.pipeline.streaming import StreamProducer, complete, failure_to_api_error
+from gateway.pipeline.streaming import Account, SSEBody, StreamProducer, complete, failure_to_api_error
+from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.telemetry.tracing import RequestTrace
 
 log = logging.getLogger("kvgate.gateway")
+Parser = Callable[[Any, GatewayTokenizer, int | None, int | None], GenerationRequest]  # parse_chat, parse_completion
 
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenizing more than this would stall every other request on the loop
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what the refusal log names
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -50,10 +56,15 @@ async def completions() -> Response:
 
 
 async def generate(kind: str) -> Response:
+    return await traced(lambda rt: run_generation(kind, rt))
+
+
+async def traced(run: Callable[[RequestTrace], Awaitable[Response]]) -> Response:
+    """Run a generation route's handler inside its request trace (ended with the HTTP status, on every path)."""
     rt = app_state().tracing.start_request(request.method, request.path)
     status: int | None = None  # None: cancelled (the client left before any response)
     try:
-        response = await run_generation(kind, rt)
+        response = await run(rt)
         status = response.status_code
         return response
     except (APIError, HTTPException) as e:
@@ -67,20 +78,29 @@ async def generate(kind: str) -> Response:
 
 
 async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationRequest, str]:
-    state = app_state()
     with rt.phase("auth"):
         principal = await authorize()
     with rt.phase("tokenize"):
-        raw_size = request.content_length or 0
         body = await read_json()
         check_model(body, principal)
-        parse = parse_chat if kind == "chat" else parse_completion
-        args = (body, state.tokenizer, state.pool.max_model_len, principal.quota.max_tokens_per_request)
-        if raw_size > PARSE_IN_THREAD_BYTES:
-            req: GenerationRequest = await trio.to_thread.run_sync(parse, *args)
-        else:
-            req = parse(*args)
+        req = await tokenize(parse_chat if kind == "chat" else parse_completion, body, principal)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    await reserve(principal, req, request_id, rt)
+    return principal, req, request_id
+
+
+async def tokenize(parse: Parser, body: Any, principal: Principal) -> GenerationRequest:
+    """``parse`` (validate and tokenize) ``body``; in a thread when the request was large."""
+    state = app_state()
+    args = (body, state.tokenizer, state.pool.max_model_len, principal.quota.max_tokens_per_request)
+    if (request.content_length or 0) > PARSE_IN_THREAD_BYTES:
+        return await trio.to_thread.run_sync(parse, *args)
+    return parse(*args)
+
+
+async def reserve(principal: Principal, req: GenerationRequest, request_id: str, rt: RequestTrace) -> None:
+    """Admission: the principal's rate limits, slots and budget for ``req`` (sets the x-ratelimit headers)."""
+    state = app_state()
     with rt.phase("quota"):
         try:
             g.ratelimit_headers = await state.tenancy.quota.admit(principal, request_id, len(req.prompt_ids),
@@ -89,13 +109,26 @@ async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationReque
             g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look
             state.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
             raise
-    return principal, req, request_id
 
 
 async def run_generation(kind: str, rt: RequestTrace) -> Response:
+    cfg, tok = app_state().config, app_state().tokenizer
+    principal, req, request_id = await admit(kind, rt)
+    choices, account = await submit(principal, req, request_id, rt)
+    builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
+    timeout = cfg.timing.request_timeout
+    if not req.stream:
+        return json_response(await complete(choices, builder, timeout, account))
+    producer = StreamProducer(choices, builder, timeout, cfg.timing.sse_ping_interval, account)
+    return start_stream(producer, principal.tenant_name)
+
+
+async def submit(principal: Principal, req: GenerationRequest, request_id: str,
+                 rt: RequestTrace) -> tuple[Choices, RequestAccount]:
+    """Open the admitted request's account and queue its sequences on workers. On return the caller owns both
+    (``complete`` or a stream producer ends them on every path); on failure they are already ended."""
     state = app_state()
     cfg, tok, pool, ten = state.config, state.tokenizer, state.pool, state.tenancy
-    principal, req, request_id = await admit(kind, rt)
     g.admitted = True  # from here the request's account logs its end
     # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
@@ -113,16 +146,22 @@ async def run_generation(kind: str, rt: RequestTrace) -> Response:
         if isinstance(e, RequestFailed):
             raise failure_to_api_error(e) from None
         raise
-    # From here `complete` or the stream producer owns the sequences and ends the account on every path.
     account.worker = choices.worker_id
-    builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
-    if not req.stream:
-        return json_response(await complete(choices, builder, timeout, account))
-    producer = StreamProducer(choices, builder, timeout, cfg.timing.sse_ping_interval, account)
-    return start_stream(producer, principal.tenant_name)
+    return choices, account
 
 
-def start_stream(producer: StreamProducer, tenant: str) -> Response:
+class Producer(Protocol):
+    """A stream's task side (``StreamProducer``, ``gateway.responses.run.ResponsesStream``)."""
+
+    choices: Choices
+    account: Account
+
+    async def run(self) -> None: ...
+
+    def body(self) -> SSEBody: ...
+
+
+def start_stream(producer: Producer, tenant: str) -> Response:
     streams = app_state().metrics.streams.labels(tenant)
 
     async def run_stream() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from quart import Response
 
+from gateway.api.openapi_responses import responses_paths
 from gateway.pipeline.protocol import MAX_N
 
 Json = dict[str, Any]
@@ -34,9 +35,36 @@ _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _STR}}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-                           "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}}
+_CONTENT = {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}
+_TOOL_CALL = {"type": "object", "required": ["function"], "additionalProperties": False, "properties": {
+    "id": _STR, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": _STR, "arguments": {"type": "string", "description": "a JSON object, as the call returned it"}}}}}
+_NULL_ONLY = {"nullable": True, "enum": [None], "description": "sent back by SDKs; must be null"}
+_MESSAGE = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": _CONTENT, "name": _STR}},
+    {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
+        "role": {"type": "string", "enum": ["assistant"]}, "content": {**_CONTENT, "nullable": True}, "name": _STR,
+        "tool_calls": {"type": "array", "items": _TOOL_CALL}, "refusal": _NULL_ONLY, "audio": _NULL_ONLY,
+        "function_call": _NULL_ONLY, "annotations": {"type": "array", "maxItems": 0}}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"], "additionalProperties": False,
+     "properties": {"role": {"type": "string", "enum": ["tool"]}, "content": _CONTENT, "tool_call_id": _STR,
+                    "name": _STR}}]}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _STR,
+        "parameters": {"type": "object", "description": "a JSON Schema of an object: the call's arguments hold to "
+                                                        "it (the grammar enforces it, strict or not)"},
+        "strict": _BOOL}}}}
+_TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {"name": _STR}}}}]}
+_PROMPT_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20,
+                    "description": "vLLM's: the prompt's logprobs with this many alternatives (no prefix-cache hit)"}
 
 _SAMPLING = {
     "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT, "presence_penalty": _NUM,
@@ -65,10 +93,13 @@ _COMMON = {
 _CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
     **_COMMON, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": _BOOL,
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": _FUNCTION_TOOL}, "tool_choice": _TOOL_CHOICE,
+    "parallel_tool_calls": _BOOL, "prompt_logprobs": _PROMPT_LOGPROBS}}
 _COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
     **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS]},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _BEST_OF}}
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _BEST_OF,
+    "prompt_logprobs": _PROMPT_LOGPROBS}}
 _QUOTA = {"type": "object", "additionalProperties": False, "properties": {
     **{f: {"type": "integer", "minimum": 1, "nullable": True} for f in
        ("rpm", "tpm", "max_concurrent", "token_budget", "max_tokens_per_request", "max_prompt_tokens")},
@@ -76,6 +107,11 @@ _QUOTA = {"type": "object", "additionalProperties": False, "properties": {
     "allowed_models": {"type": "array", "items": _STR, "minItems": 1, "nullable": True}}}
 
 
+# One server-sent event, as SSE tooling (schemathesis among them) parses and checks a stream: event by event, each
+# an object with its data line(s) and its event name ("message" when the server sends none, as on chat streams).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": _STR, "data": {"type": "string", "description": "a JSON object (a chunk, or a typed Responses event), "
+                                                             "or [DONE] at the end of a chat or completion stream"}}}
 _ERROR_RESPONSE = {"description": "an OpenAI-shaped error",
                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
@@ -100,7 +136,7 @@ def _op(summary: str, security: list[Json], *, body: Json | None = None, params:
         ok: str = "200", media: str = "application/json", stream: bool = False) -> Json:
     content: Json = {media: {"schema": _OBJECT if media == "application/json" else _STR}}
     if stream:
-        content["text/event-stream"] = {"schema": _STR}
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
     op: Json = {"summary": summary, "security": security,
                 "responses": {ok: {"description": "success", "content": content}, "default": _ERROR_RESPONSE}}
     if body is not None:
@@ -119,6 +155,7 @@ def _api_paths(model: Json) -> Json:
                                              body=_body(chat), stream=True)},
         "/v1/completions": {"post": _op("Text completion (SSE with stream: true)", TENANT_AUTH,
                                         body=_body(completion), stream=True)},
+        **responses_paths(model, _op, _body, _param, TENANT_AUTH),
         "/v1/models": {"get": _op("The served model, if the key may use it", TENANT_AUTH)},
         "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
         "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(

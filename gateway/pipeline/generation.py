@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.pipeline.tokenizer import GatewayTokenizer
-from ipc.messages import EngineTimings, RequestOutputMsg, TokenLogprobs
+from ipc.messages import EngineTimings, PromptLogprob, RequestOutputMsg, TokenLogprobs
 from common.detokenizer import IncrementalDetokenizer
 
 
@@ -26,6 +26,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids, when logprobs were asked for
     finish_reason: str | None
     index: int = 0  # the choice it belongs to
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first token's delta, when asked for
 
 
 @dataclass
@@ -58,6 +59,7 @@ class OutputAssembler:
         self.hit_stop_string = False  # the worker still runs the request: the caller must abort it
         self.engine_timings: EngineTimings | None = None  # from the worker's last output, when it came
         self.engine_timings_at: float | None = None  # time.monotonic() when it came
+        self.prompt_logprobs: list[PromptLogprob] | None = None  # from the worker, with the first token
 
     @property
     def finished(self) -> bool:
@@ -75,6 +77,8 @@ class OutputAssembler:
         if out.timings is not None:
             self.engine_timings, self.engine_timings_at = out.timings, time.monotonic()
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         ids, hit = self._take_until_stop(list(out.new_token_ids))
         finish = out.finish_reason
         if hit:
@@ -89,7 +93,7 @@ class OutputAssembler:
         end = len(self.text) if finish is not None else max(self._emitted, len(self.text) - self._hold)
         text, self._emitted = self.text[self._emitted:end], end
         self.finish_reason = finish
-        return Delta(text, ids, new_logprobs, finish, self.index)
+        return Delta(text, ids, new_logprobs, finish, self.index, out.prompt_logprobs)
 
     def _take_until_stop(self, ids: list[int]) -> tuple[list[int], bool]:
         """Decode ``ids``; with stop strings, token by token, so that of an output of several tokens (a

@@ -11,6 +11,7 @@ least ``n`` and cannot stream when it is larger (the best are known only once al
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.api.errors import APIError, bad_request
+from gateway.pipeline.chat_messages import parse_messages, template_input
 from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
+from gateway.pipeline.tools import Format, ToolConfig, grammar_spec, parse_tools
 from ipc.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -27,7 +30,6 @@ MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for: each holds its own KV blocks on a worker
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ROLES = ("system", "developer", "user", "assistant")
 
 Kind = Literal["chat", "completion"]
 
@@ -45,6 +47,9 @@ class GenerationRequest:
     top_logprobs: int  # alternatives per token when logprobs
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated (>= n); the n with the highest cumulative logprob are returned
+    tools: ToolConfig | None = None  # chat with tools: the answer is split into content and tool_calls
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs with this many alternatives
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the completion
 
 
 # ---- field types ---------------------------------------------------------------------------------
@@ -79,10 +84,10 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
-    "n": _is_int, "user": _is_str, **_SAMPLING_FIELDS, **STRUCTURED_FIELDS,
+    "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, **_SAMPLING_FIELDS, **STRUCTURED_FIELDS,
 }
 CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
-               "top_logprobs": _is_int}
+               "top_logprobs": _is_int, "tools": _is_any, "tool_choice": _is_any, "parallel_tool_calls": _is_bool}
 COMPLETION_FIELDS = {**_COMMON_FIELDS, "prompt": _is_any, "logprobs": _is_int, "echo": _is_bool,
                      "best_of": _is_int}
 
@@ -151,41 +156,6 @@ def _token_ids(value: Any, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):  # content parts: text only (this server has no vision or audio models)
-        texts: list[str] = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}[{i}]' must be a text content part", param=where)
-            if set(part) - {"type", "text"}:
-                raise bad_request(f"'{where}[{i}]' has unsupported keys", param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"'{where}' must be a string or an array of text parts", param=where)
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("'messages' must be a non-empty array", param="messages")
-    out: list[dict[str, str]] = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"'{where}' must be an object", param=where)
-        unknown = sorted(set(m) - {"role", "content"})
-        if unknown:
-            raise bad_request(f"Unrecognized request argument supplied: {where}.{unknown[0]}",
-                              param=f"{where}.{unknown[0]}", code="unrecognized_argument")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}", param=f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), f"{where}.content")})
-    return out
-
-
 def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one: [text] or [[ids]]
@@ -210,13 +180,22 @@ def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
 _PARAM_RE = re.compile(r"^([a-z_]+) ")
 
 
-def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int) -> SamplingParams:
+def _structured(fields: dict[str, Any], tools: ToolConfig | None, tok_format: Format) -> str | None:
+    spec = structured_spec(fields)
+    if tools is None or not tools.calls_allowed:
+        return spec
+    return grammar_spec(tools, None if spec is None else json.loads(spec), tok_format)
+
+
+def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int,
+              tools: ToolConfig | None = None, tok_format: Format = "generic",
+              prompt_logprobs: int | None = None) -> SamplingParams:
     kw = {k: fields[k] for k in _SAMPLING_FIELDS if k in fields}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, structured=structured_spec(fields),
-                              **kw)
+        return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs,
+                              structured=_structured(fields, tools, tok_format), prompt_logprobs=prompt_logprobs, **kw)
     except ValueError as e:  # the wire type's own range check; its messages start with the field name
         m = _PARAM_RE.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from e
@@ -270,13 +249,29 @@ def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...],
     return stream, _stream_options(fields, stream), _stop(fields), _count(fields, "n", 1)
 
 
+def _prompt_logprobs(fields: dict[str, Any]) -> int | None:
+    k = fields.get("prompt_logprobs")
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
+    return k
+
+
+def _echo_text(fields: dict[str, Any], prompt_ids: list[int], tok: GatewayTokenizer) -> str | None:
+    if not fields.get("echo", False):
+        return None
+    prompt = fields["prompt"]
+    text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+    return text if isinstance(text, str) else tok.decode(prompt_ids)  # token ids: their text
+
+
 def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
                default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, CHAT_FIELDS)
     stream, include_usage, stop, n = _common_checks(fields)
     if "messages" not in fields:
         raise bad_request("'messages' is required", param="messages")
-    messages = _messages(fields["messages"])
+    messages = parse_messages(fields["messages"])
+    tools = parse_tools(fields)
     logprobs = bool(fields.get("logprobs", False))
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
@@ -286,22 +281,22 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     if "max_tokens" in fields and "max_completion_tokens" in fields:
         raise bad_request("give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
     try:
-        prompt_ids = tok.apply_chat_template(messages)
+        prompt_ids = tok.apply_chat_template(*template_input(messages, tools, tok.tool_format, tok.tool_role))
     except (ChatTemplateError, InvalidText) as e:
         raise bad_request(str(e), param="messages") from e
     key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages", default_max_tokens_cap)
     n_top = (top or 0) if logprobs else None
-    return GenerationRequest("chat", prompt_ids, _sampling(fields, max_tokens, n_top, tok.vocab_size),
-                             max_tokens, stop, stream, include_usage, logprobs, n_top or 0, n, n)
+    prompt_lps = _prompt_logprobs(fields)
+    sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, tok.tool_format, prompt_lps)
+    return GenerationRequest("chat", prompt_ids, sampling, max_tokens, stop, stream, include_usage, logprobs,
+                             n_top or 0, n, n, tools, prompt_lps)
 
 
 def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
                      default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, COMPLETION_FIELDS)
     stream, include_usage, stop, n = _common_checks(fields)
-    if fields.get("echo", False):
-        raise bad_request("'echo': true is not supported", param="echo")
     best_of = _best_of(fields, n, stream)
     if "prompt" not in fields:
         raise bad_request("'prompt' is required", param="prompt")
@@ -314,5 +309,11 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     # Ranking needs each sampled token's logprob: ask the worker for it (0 alternatives) even when the client
     # did not ask for logprobs; OutputAssembler returns them only to a client that did.
     worker_top = 0 if n_top is None and best_of > n else n_top
-    return GenerationRequest("completion", prompt_ids, _sampling(fields, max_tokens, worker_top, tok.vocab_size),
-                             max_tokens, stop, stream, include_usage, n_top is not None, n_top or 0, n, best_of)
+    prompt_lps = _prompt_logprobs(fields)
+    echo = _echo_text(fields, prompt_ids, tok)
+    # echo with logprobs returns the prompt's tokens with theirs, as OpenAI's legacy completions did
+    wanted = [k for k in (prompt_lps, n_top if echo is not None else None) if k is not None]
+    worker_prompt_lps = max(wanted) if wanted else None
+    sampling = _sampling(fields, max_tokens, worker_top, tok.vocab_size, prompt_logprobs=worker_prompt_lps)
+    return GenerationRequest("completion", prompt_ids, sampling, max_tokens, stop, stream, include_usage,
+                             n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo)

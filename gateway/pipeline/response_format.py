@@ -27,20 +27,20 @@ def _any(v: Any) -> bool:
 STRUCTURED_FIELDS: dict[str, Callable[[Any], bool]] = {"response_format": _any, **{k: _any for k in _GUIDED}}
 
 
-def _validate_schema(schema: Any, param: str, name: str) -> None:
+def validate_schema(schema: Any, param: str, what: str, code: str = "invalid_json_schema") -> None:
+    """A 400 naming ``what`` (e.g. "response_format 'x'") unless the grammar engine can run ``schema``."""
     import llguidance
 
     if not isinstance(schema, (dict, bool)):
-        raise bad_request(f"Invalid schema for response_format '{name}': the schema must be a JSON object",
-                          param=param)
+        raise bad_request(f"Invalid schema for {what}: the schema must be a JSON object", param=param, code=code)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     except Exception as e:  # noqa: BLE001  whatever the engine throws at a schema is the schema's fault: 400
         is_error, messages = True, [str(e)]
     if is_error:
-        raise bad_request(f"Invalid schema for response_format '{name}': {'; '.join(messages) or 'unsupported'}",
-                          param=param, code="invalid_json_schema")
+        raise bad_request(f"Invalid schema for {what}: {'; '.join(messages) or 'unsupported'}", param=param,
+                          code=code)
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -71,7 +71,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
         raise bad_request("'response_format.json_schema.strict' must be a boolean", param=f"{param}.strict")
     schema = js.get("schema", {})  # OpenAI: a missing schema means any JSON value shape it describes: {}
-    _validate_schema(schema, f"{param}.schema", name)
+    validate_schema(schema, f"{param}.schema", f"response_format '{name}'")
     return {"type": "json_schema", "schema": schema}
 
 
@@ -83,7 +83,7 @@ def _guided(fields: dict[str, Any]) -> dict[str, Any] | None:
                 schema = json.loads(schema)
             except ValueError:
                 raise bad_request("'guided_json' must be a JSON schema", param="guided_json") from None
-        _validate_schema(schema, "guided_json", "guided_json")
+        validate_schema(schema, "guided_json", "response_format 'guided_json'")
         return {"type": "json_schema", "schema": schema}
     if "guided_choice" in fields:
         choices = fields["guided_choice"]

@@ -13,6 +13,9 @@ from gateway.pipeline.choices import Choices
 from gateway.pipeline.generation import Delta, OutputAssembler
 from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tokenizer import GatewayTokenizer
+from gateway.pipeline.prompt_logprobs import echo_logprobs, join, vllm_prompt_logprobs
+from gateway.pipeline.tool_stream import ToolCallParser
+from ipc.messages import PromptLogprob
 from ipc.messages import TokenLogprobs
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -64,6 +67,19 @@ class ResponseBuilder:
         self.req = req
         self.tok = tok
         self._text_offsets: dict[int, int] = {}  # completions logprobs, per choice: where its next token starts
+        self._parsers: dict[int, ToolCallParser] = {}  # chat with tools, per streamed choice
+        self._prompt_done: set[int] = set()  # streamed choices whose echo / prompt_logprobs went out
+
+    @property
+    def _with_tools(self) -> bool:
+        return self.req.kind == "chat" and self.req.tools is not None
+
+    def _finish(self, finish: str | None, parser: ToolCallParser) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a call forced by name ends with "stop"
+        tools = self.req.tools
+        if finish == "stop" and parser.calls and tools is not None and tools.mode != "named":
+            return "tool_calls"
+        return finish
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -74,23 +90,70 @@ class ResponseBuilder:
     # ---- streaming ------------------------------------------------------------------------------
 
     def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
-        if self.req.kind != "chat":
-            return None
+        if self.req.kind != "chat" or self._with_tools:
+            return None  # with tools the role goes out with the first content or call, once it is known which
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
+    def _prompt_part(self, index: int, lps: list[PromptLogprob] | None) -> tuple[str, dict[str, Any] | None,
+                                                                                 list[Any] | None]:
+        """What leads a choice: (echoed text, its logprobs, vLLM's prompt_logprobs); once per streamed choice."""
+        if index in self._prompt_done or (self.req.echo is None and self.req.prompt_logprobs is None):
+            return "", None, None
+        self._prompt_done.add(index)
+        req, lps = self.req, lps or []
+        echo_lp = None
+        if req.echo is not None and req.logprobs:
+            echo_lp = echo_logprobs(self.tok, req.prompt_ids, lps, req.top_logprobs)
+            self._text_offsets[index] = len(req.echo)
+        plp = None if req.prompt_logprobs is None else vllm_prompt_logprobs(self.tok, req.prompt_ids, lps,
+                                                                            req.prompt_logprobs)
+        return req.echo or "", echo_lp, plp
+
     def delta_chunk(self, d: Delta) -> dict[str, Any] | None:
-        if not d.text and d.finish_reason is None and not (self.req.logprobs and d.logprobs):
+        echo, echo_lp, plp = self._prompt_part(d.index, d.prompt_logprobs)
+        if not (d.text or echo or plp) and d.finish_reason is None and not (self.req.logprobs and d.logprobs):
             return None  # nothing visible happened (a held-back or partial character)
         lp = None
         if self.req.logprobs and d.logprobs:
             lp = self._logprobs(d.index, d.token_ids, d.logprobs)
-        if self.req.kind == "chat":
+        if echo_lp is not None:
+            lp = join(echo_lp, lp)
+        if plp is not None and self.req.kind == "chat":  # vLLM: chat has it beside the choices
+            chunk = self.delta_chunk(Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.index))
+            chunk = chunk or self._chunk({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": None})
+            return {**chunk, "prompt_logprobs": plp}
+        if self._with_tools:
+            choice = self._tool_delta(d, lp)
+            if choice is None:
+                return None
+        elif self.req.kind == "chat":
             choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                       "finish_reason": d.finish_reason}
         else:
-            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "text": echo + d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            if plp is not None:
+                choice["prompt_logprobs"] = plp
         return self._chunk(choice)
+
+    def _tool_delta(self, d: Delta, lp: dict[str, Any] | None) -> dict[str, Any] | None:
+        parser = self._parsers.setdefault(d.index, ToolCallParser())
+        text, calls = parser.feed(d.text, final=d.finish_reason is not None)
+        delta: dict[str, Any] = {}
+        if text or calls or (d.finish_reason is not None and not parser.sent_role):
+            if not parser.sent_role:
+                delta["role"] = "assistant"
+                parser.sent_role = True
+                if calls:
+                    delta["content"] = None  # as OpenAI's first chunk of a call
+            if calls:
+                delta["tool_calls"] = calls
+            else:
+                delta["content"] = text
+        if not delta and d.finish_reason is None and lp is None:
+            return None  # held back: it may still turn out to be a call
+        return {"index": d.index, "delta": delta, "logprobs": lp,
+                "finish_reason": self._finish(d.finish_reason, parser)}
 
     def usage_chunk(self, choices: Choices) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.req.kind == "chat" else "text_completion")
@@ -118,13 +181,32 @@ class ResponseBuilder:
     def final(self, choices: Choices) -> dict[str, Any]:
         body = self._envelope("chat.completion" if self.req.kind == "chat" else "text_completion")
         # Ranked by best_of when it generated more than n: the choice index is the rank, not the generation order.
-        body["choices"] = [self._final_choice(i, asm) for i, asm in enumerate(choices.returned())]
+        returned = choices.returned()
+        body["choices"] = [self._final_choice(i, asm) for i, asm in enumerate(returned)]
+        if self.req.kind == "chat" and self.req.prompt_logprobs is not None:  # vLLM: beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self.req.prompt_ids,
+                                                           returned[0].prompt_logprobs or [], self.req.prompt_logprobs)
         body["usage"] = self.usage(choices)
         return body
 
     def _final_choice(self, index: int, asm: OutputAssembler) -> dict[str, Any]:
+        # the prompt's part first: with echo the completion's text offsets start after it
+        chat = self.req.kind == "chat"
+        echo, echo_lp, plp = ("", None, None) if chat else self._prompt_part(index, asm.prompt_logprobs)
         lp = self._logprobs(index, asm.token_ids, asm.logprobs) if self.req.logprobs else None
+        if self._with_tools:
+            parser = ToolCallParser()
+            parser.feed(asm.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": parser.content if not parser.calls else None}
+            if parser.calls:
+                message["tool_calls"] = parser.tool_calls()
+            return {"index": index, "message": message, "logprobs": lp,
+                    "finish_reason": self._finish(asm.finish_reason, parser)}
         if self.req.kind == "chat":
             return {"index": index, "message": {"role": "assistant", "content": asm.text}, "logprobs": lp,
                     "finish_reason": asm.finish_reason}
-        return {"index": index, "text": asm.text, "logprobs": lp, "finish_reason": asm.finish_reason}
+        choice = {"index": index, "text": echo + asm.text,
+                  "logprobs": join(echo_lp, lp) if echo_lp is not None else lp, "finish_reason": asm.finish_reason}
+        if plp is not None:
+            choice["prompt_logprobs"] = plp
+        return choice

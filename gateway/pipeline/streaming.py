@@ -161,12 +161,13 @@ class SSEBody:
         self._events.close()
 
 
-class StreamProducer:
-    """The task side of one stream; run it with ``nursery.start_soon(producer.run)``."""
+class EventProducer:
+    """The task side of one stream (chat and completion chunks here, Responses events in
+    ``gateway.responses.run``); run it with ``nursery.start_soon(producer.run)``. A subclass writes ``_stream``
+    (its events, through ``_put``) and ``_fail`` (what a failure after the 200 looks like)."""
 
-    def __init__(self, choices: Choices, builder: ResponseBuilder, timeout: float | None, ping_interval: float,
-                 account: Account) -> None:
-        self.choices, self.builder = choices, builder
+    def __init__(self, choices: Choices, timeout: float | None, ping_interval: float, account: Account) -> None:
+        self.choices = choices
         self.timeout, self.ping_interval = timeout, ping_interval
         self.account = account
         self.status = "cancelled"  # the ledger's word for this stream unless it completes or fails
@@ -184,14 +185,6 @@ class StreamProducer:
             return
         raise ConsumerGone()
 
-    async def _emit(self, _: Child, d: Delta) -> None:
-        # follow_all has released the sequence when d ends it (aborting it on the worker after a stop string)
-        if d.finish_reason is not None and self.choices.finished:
-            await self.account.finish(self.choices)  # durable in the ledger before the client sees the end
-        chunk = self.builder.delta_chunk(d)
-        if chunk is not None:
-            await self._put(sse_event(chunk))
-
     async def run(self) -> None:
         try:
             with self.scope:
@@ -205,6 +198,38 @@ class StreamProducer:
         finally:
             self.choices.release_all()
             self.account.end(self.choices, self.status)
+
+    async def _stream(self) -> None:
+        raise NotImplementedError
+
+    async def _fail(self, err: APIError) -> None:
+        raise NotImplementedError
+
+    async def _ping(self) -> None:
+        if trio.current_time() - self._last_put < self.ping_interval:
+            return  # something was sent lately (by any sequence of this stream): the connection is alive
+        try:
+            self._send.send_nowait(PING)
+            self._last_put = trio.current_time()
+        except trio.WouldBlock:
+            pass  # the client has not even read the last events: it needs no keep-alive
+
+
+class StreamProducer(EventProducer):
+    """A chat or completion stream: chunks, then the usage chunk when asked for, then ``[DONE]``."""
+
+    def __init__(self, choices: Choices, builder: ResponseBuilder, timeout: float | None, ping_interval: float,
+                 account: Account) -> None:
+        super().__init__(choices, timeout, ping_interval, account)
+        self.builder = builder
+
+    async def _emit(self, _: Child, d: Delta) -> None:
+        # follow_all has released the sequence when d ends it (aborting it on the worker after a stop string)
+        if d.finish_reason is not None and self.choices.finished:
+            await self.account.finish(self.choices)  # durable in the ledger before the client sees the end
+        chunk = self.builder.delta_chunk(d)
+        if chunk is not None:
+            await self._put(sse_event(chunk))
 
     async def _stream(self) -> None:
         try:
@@ -225,15 +250,6 @@ class StreamProducer:
         except RequestFailed as e:
             self.status = e.code
             await self._fail(failure_to_api_error(e))
-
-    async def _ping(self) -> None:
-        if trio.current_time() - self._last_put < self.ping_interval:
-            return  # another sequence of this stream sent something lately: the connection is alive
-        try:
-            self._send.send_nowait(PING)
-            self._last_put = trio.current_time()
-        except trio.WouldBlock:
-            pass  # the client has not even read the last events: it needs no keep-alive
 
     async def _fail(self, err: APIError) -> None:
         # After the stream started the status is already 200: an error event, then [DONE].

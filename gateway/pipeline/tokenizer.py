@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from common import model_files
 from common.startup import StartupProgress
+from gateway.pipeline.tools import CALL_START, Format
 
 
 class ChatTemplateError(ValueError):
@@ -87,6 +88,19 @@ class GatewayTokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(source) if isinstance(source, str) else None
+        # A template that writes Hermes <tool_call> blocks renders tools and calls itself (gateway.pipeline.tools)
+        self.tool_format: Format = "native" if isinstance(source, str) and CALL_START in source else "generic"
+        self.tool_role = self._tool_role()
+
+    def _tool_role(self) -> str:
+        """The role the generic tool format gives results: ``tool`` where the template renders that role (a
+        ChatML template writes any role; smollm2 then answers from the result instead of calling again, where as
+        a user turn it repeats the call), else ``user`` (templates that raise on roles they do not know)."""
+        probe = [{"role": "user", "content": "u"}, {"role": "tool", "content": "kvgate-probe"}]
+        try:
+            return "tool" if "kvgate-probe" in self.render_chat(probe) else "user"
+        except ChatTemplateError:
+            return "user"
 
     @property
     def vocab_size(self) -> int:
@@ -111,14 +125,17 @@ class GatewayTokenizer:
         """What one token reads as on its own (for logprobs); special tokens keep their spelling."""
         return self.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template: use /v1/completions")
+        extra = {} if tools is None else {"tools": tools}  # templates test `tools is defined`: absent, not None
         try:
             return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                             **self._special))
+                                             **extra, **self._special))
         except jinja2.TemplateError as e:  # includes sandbox violations: the conversation is at fault
             raise ChatTemplateError(f"chat template error: {type(e).__name__}") from e
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools))

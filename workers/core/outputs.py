@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ipc.messages import PromptLogprob as PromptLogprob  # per prompt token after the first: (logprob, rank, top-N)
 from workers.core.request import Request
 
 # One logprobs entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...top-N])
@@ -56,6 +57,15 @@ Sampled = SampledToken | list[SampledToken]
 
 
 @dataclass(frozen=True)
+class RunnerOutput:
+    """What the model runner returns for a step."""
+
+    sampled: dict[str, Sampled]  # per request that reached its last token
+    # per request computing prompt logprobs: those of the prompt positions this step computed, in order
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RequestTimings:
     """Where a finished request spent its time in the engine, in seconds since it arrived there. Offsets, not
     timestamps: whoever reads them need not share the engine's clock."""
@@ -76,6 +86,7 @@ class StepOutput:
     error: str | None = None  # set when the request could never run (a 4xx for the client)
     timings: RequestTimings | None = None  # set on the request's last output only
     error_code: str | None = None  # with error: the OpenAI error code (ipc.messages.RequestOutputMsg)
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first token's output, when asked for
 
     @property
     def finished(self) -> bool:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from workers.core.block_manager import BlockManager
 from workers.core.fair_queue import FairQueue
 from workers.core import spec_decode
-from workers.core.outputs import (RequestTimings, Sampled, SampledToken, ScheduledRequest, SchedulerOutput, StepOutput,
-                                  TokenLogprobs)
+from workers.core.outputs import (PromptLogprob, RequestTimings, Sampled, SampledToken, ScheduledRequest,
+                                  SchedulerOutput, StepOutput, TokenLogprobs)
 from workers.core.request import Request, RequestStatus
 from workers.core.spec_decode import SpecCounters, SpeculativeConfig
 
@@ -144,7 +144,7 @@ class Scheduler:
             req = self.waiting.peek()
             if req is None:
                 break
-            hits = self.bm.find_cached_prefix(req)
+            hits = [] if req.needs_prompt_logprobs else self.bm.find_cached_prefix(req)
             n = min(req.num_tokens - len(hits) * bs, budget)
             if not self.bm.allocate_slots(req, n, hits):
                 break  # doesn't fit now: wait for running requests to finish (no skipping ahead)
@@ -167,15 +167,19 @@ class Scheduler:
         self.bm.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
+        if not req.prompt_lps_sent:
+            req.prompt_lps.clear()  # gathered again from the first position, not twice
         req.num_preemptions += 1
         req.preempted_times.append(self.clock())
         self.num_preemptions += 1
         self.waiting.push_front(req)
 
     # ---- results -----------------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[str, Sampled]) -> list[StepOutput]:
+    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[str, Sampled],
+                           prompt_lps: Mapping[str, list[PromptLogprob]] | None = None) -> list[StepOutput]:
         """``sampled``: per request that sampled, its token, or (with a draft) the accepted draft tokens and the
-        model's own token after them."""
+        model's own token after them. ``prompt_lps``: per request that asked, the prompt logprobs of the
+        positions this step computed."""
         outputs = self.take_finished_unreported()
         now = self.clock()  # the step's results exist from here on
         for s in plan.scheduled:
@@ -196,6 +200,8 @@ class Scheduler:
                 spec_decode.update_acceptance(req.spec, k, accepted)
             else:
                 req.num_computed_tokens += s.num_new_tokens
+            if prompt_lps and req.request_id in prompt_lps:
+                req.prompt_lps.extend(prompt_lps[req.request_id])
             self.bm.cache_full_blocks(req)
             if samples and not req.output_token_ids:  # the prompt is done, counted once
                 self.prompt_tokens_total += req.num_prompt_tokens
@@ -222,8 +228,11 @@ class Scheduler:
                 self._finish(req, status)
                 break
         timings = _timings(req, now) if status is not None else None
+        prompt_lps = None
+        if req.needs_prompt_logprobs:  # the prompt is complete once its first token is sampled
+            prompt_lps, req.prompt_lps, req.prompt_lps_sent = req.prompt_lps, [], True
         return StepOutput(req.request_id, new, req.status.finish_reason, req.num_cached_tokens, lps or None, None,
-                          timings)
+                          timings, prompt_logprobs=prompt_lps)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

@@ -1,11 +1,15 @@
 // The chat playground: one streamed chat completion at a time, rendered as text (textContent, never
 // parsed as markup), stoppable with an AbortController (the gateway sees the connection close and frees the
 // request's KV cache), with per-answer timings and token counts from the stream's usage chunk.
+// With tools, the answer's tool calls are shown as they stream (name, then the arguments growing); while
+// calls wait for results, what you send is the next call's result (role "tool"), and the model is asked again
+// once every call has one.
 import { $, ApiError, KEY_STORE, apiError, bindSecret, countdown, describe, el, fmtInt, fmtNum, getJSON,
   secrets } from "/assets/common.js";
 import { sseEvents } from "/assets/sse.js";
 
-const history = []; // {role, content, stats?}: what is sent back as context and what Export saves
+const history = []; // {role, content, tool_calls?, tool_call_id?, stats?}: the context sent back, and Export
+const pending = []; // tool calls of the last answer still waiting for their result: {id, name}
 let current = null; // the answer being streamed: {controller, ...}
 let cancelCountdown = () => {};
 let retryLocked = false; // a 429/503 countdown is running: Send waits for it
@@ -82,8 +86,28 @@ function requestBody(model) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  for (const m of history) messages.push({ role: m.role, content: m.content });
-  return { model, messages, stream: true, stream_options: { include_usage: true }, ...samplingParams() };
+  for (const m of history) {
+    const msg = { role: m.role, content: m.content };
+    if (m.tool_calls) msg.tool_calls = m.tool_calls;
+    if (m.tool_call_id) msg.tool_call_id = m.tool_call_id;
+    messages.push(msg);
+  }
+  return { model, messages, stream: true, stream_options: { include_usage: true }, ...samplingParams(),
+    ...toolParams() };
+}
+
+// Blank: no tools. Anything typed must be a JSON array; the gateway checks the rest (a 400 is shown as is).
+function toolParams() {
+  const raw = $("tools").value.trim();
+  if (!raw) return {};
+  let tools;
+  try {
+    tools = JSON.parse(raw);
+  } catch {
+    throw new Error("Tools must be a JSON array");
+  }
+  if (!Array.isArray(tools)) throw new Error("Tools must be a JSON array");
+  return { tools, tool_choice: $("tool_choice").value };
 }
 
 async function send() {
@@ -94,8 +118,9 @@ async function send() {
   const model = $("model").value;
   if (!model) return showError("No model: use a valid key so the model list can load.");
   let body;
+  const call = pending.length ? pending[0] : null; // with calls waiting, this text is the first one's result
   try {
-    history.push({ role: "user", content: text });
+    history.push(call ? { role: "tool", content: text, tool_call_id: call.id } : { role: "user", content: text });
     body = requestBody(model);
   } catch (err) {
     history.pop();
@@ -103,13 +128,25 @@ async function send() {
   }
   showError("");
   $("prompt").value = "";
-  addMessage("user", "you", text);
+  if (call) {
+    pending.shift();
+    showPending();
+    addMessage("tool", `result of ${call.name}`, text);
+    if (pending.length) return; // more calls wait: the model is asked once all have results
+  } else {
+    addMessage("user", "you", text);
+  }
   const view = addMessage("assistant", model, "");
   await stream(key, body, view);
 }
 
+function showPending() {
+  $("prompt").placeholder = pending.length
+    ? `Result of ${pending[0].name} (sent as a tool message)` : "Ask something (Ctrl+Enter sends)";
+}
+
 async function stream(key, body, view) {
-  const answer = { controller: new AbortController(), text: "", started: performance.now(), first: null,
+  const answer = { controller: new AbortController(), text: "", calls: [], started: performance.now(), first: null,
     chunks: 0, usage: null, finish: null, ended: null };
   current = answer;
   setBusy(true);
@@ -140,18 +177,28 @@ async function readAnswer(res, answer, view) {
     const choice = chunk.choices && chunk.choices[0];
     if (!choice) continue;
     if (choice.finish_reason) answer.finish = choice.finish_reason;
-    const delta = choice.delta && choice.delta.content;
-    if (!delta) continue;
+    const delta = choice.delta || {};
+    if (!delta.content && !delta.tool_calls) continue;
     answer.first = answer.first ?? performance.now();
     answer.chunks += 1;
-    answer.text += delta;
+    answer.text += delta.content || "";
+    for (const tc of delta.tool_calls || []) addCallDelta(answer.calls, tc);
     followingBottom(() => {
       view.body.textContent = answer.text; // text, never markup
+      for (const c of answer.calls) view.body.append(el("div", { class: "toolcall" }, `→ ${c.function.name}(${c.function.arguments})`));
       view.node.dataset.state = "streaming";
       view.stats.textContent = `streaming… ${answer.chunks} chunks`;
     });
   }
   throw new Error("the stream ended before [DONE] (connection lost)");
+}
+
+// OpenAI's streamed tool calls: the first delta of a call has its index, id and name; later ones add arguments.
+function addCallDelta(calls, tc) {
+  const call = (calls[tc.index] ??= { id: tc.id, type: "function", function: { name: "", arguments: "" } });
+  if (tc.id) call.id = tc.id;
+  if (tc.function && tc.function.name) call.function.name = tc.function.name;
+  if (tc.function && tc.function.arguments) call.function.arguments += tc.function.arguments;
 }
 
 class StreamError extends Error {
@@ -194,7 +241,11 @@ function finish(answer, view) {
   if (stats.state === "stopped") parts.push("stopped");
   else if (stats.finish_reason) parts.push(`finish: ${stats.finish_reason}`);
   followingBottom(() => { view.stats.textContent = parts.join(" · "); });
-  if (answer.text || stats.state === "done") {
+  if (answer.calls.length && stats.state === "done") {
+    history.push({ role: "assistant", content: answer.text || null, tool_calls: answer.calls, stats });
+    pending.splice(0, pending.length, ...answer.calls.map((c) => ({ id: c.id, name: c.function.name })));
+    showPending();
+  } else if (answer.text || stats.state === "done") {
     history.push({ role: "assistant", content: answer.text, stats });
   } else if (stats.state === "error" && history.length && history[history.length - 1].role === "user") {
     // Nothing came back: the question goes back in the box for a retry instead of staying in the context.
@@ -241,6 +292,8 @@ function start() {
   $("clear").addEventListener("click", () => {
     if (current !== null) current.controller.abort();
     history.length = 0;
+    pending.length = 0;
+    showPending();
     $("conversation").replaceChildren();
     showError("");
   });
