@@ -79,7 +79,8 @@ def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     ({"model": "m", "prompt": "a", "best_of": 2, "stream": True}, "best_of"),
     ({"model": "m", "prompt": "a", "n": 3, "best_of": 2}, "best_of"),
     ({"model": "m", "prompt": "a", "n": 17}, "n"),
-    ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "a", "echo": "yes"}, "echo"),
+    ({"model": "m", "prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
     ({"model": "m", "prompt": [[1], [2]]}, "prompt"),
 ])
