@@ -66,7 +66,8 @@ def test_required_and_named_calls_always_validate(server: Server) -> None:
         assert len(choice["message"]["tool_calls"]) == 1
         _check_calls(choice["message"]["tool_calls"])
     named = {"type": "function", "function": {"name": "get_time"}}
-    r = _post(server, {"tool_choice": named, "temperature": 1.0, "seed": 1, "max_tokens": 200})
+    r = _post(server, {"tool_choice": named, "parallel_tool_calls": False, "temperature": 1.0, "seed": 1,
+                       "max_tokens": 200})
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"  # OpenAI ends a call it was told to make with "stop"
     assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} == {"get_time"}
