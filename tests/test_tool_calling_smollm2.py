@@ -1,7 +1,7 @@
 """Agents unchanged, on the default model: ``kvgate serve --model smollm2`` (a template without tool syntax, so the
 generic format) runs an agent framework's two-step tool loop (call, tool result, final answer; openai-agents from
 PyPI, plain and streamed), the openai SDK's ``chat.completions.parse`` with a pydantic function tool, and the
-README's tool-calling example as written."""
+README's tool-calling and Responses API examples as written."""
 
 from __future__ import annotations
 
@@ -81,9 +81,9 @@ def test_sdk_parse_with_a_pydantic_function_tool(server: Server) -> None:
     assert call.function.name == "GetWeather" and call.function.parsed_arguments == GetWeather(city="Paris")
 
 
-def test_readme_tool_calling_example_runs(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+def _run_readme_example(server: Server, heading: str) -> None:
     readme = (REPO / "README.md").read_text()
-    section = readme.split("## Tool calling", 1)[1].split("\n## ", 1)[0]
+    section = readme.split(heading, 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code is not None
     os.environ["KVGATE_API_KEY"] = server.api_key
@@ -91,7 +91,17 @@ def test_readme_tool_calling_example_runs(server: Server, capsys: pytest.Capture
         exec(code.group(1).replace("http://127.0.0.1:8000", server.url), {})  # noqa: S102 - our own README
     finally:
         del os.environ["KVGATE_API_KEY"]
+
+
+def test_readme_tool_calling_example_runs(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    _run_readme_example(server, "## Tool calling")
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == 'get_weather {"city":"Paris"}'
     assert "sunny" in lines[1].lower()
 
+
+def test_readme_responses_example_runs(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    _run_readme_example(server, "## Responses API")
+    first, second, counted, items = capsys.readouterr().out.splitlines()
+    assert "Paris" in first and "Rome" in second  # the second turn continued the first (previous_response_id)
+    assert counted.strip() and items == "['And of Italy?']"
