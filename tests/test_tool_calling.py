@@ -215,3 +215,13 @@ def test_json_scanner_finds_the_end_of_a_value() -> None:
     s = JsonScanner()
     assert s.feed('{"a": "}\\"') is None and s.feed('", "b": [1, {}]}, "x"') == 16
     assert JsonScanner().feed('"str\\"ing" ') == 10 and JsonScanner().feed("12}") == 2
+
+
+def test_bodies_that_build_a_grammar_parse_off_the_event_loop() -> None:
+    from gateway.api.generation_routes import parses_a_grammar
+
+    assert parses_a_grammar({"messages": ASK, "tools": [WEATHER]})
+    assert parses_a_grammar({"prompt": "x", "guided_regex": "a+"})
+    assert parses_a_grammar({"messages": ASK, "response_format": {"type": "json_object"}})
+    assert not parses_a_grammar({"messages": ASK, "tools": None}) and not parses_a_grammar({"messages": ASK})
+    assert not parses_a_grammar(["not", "an", "object"])

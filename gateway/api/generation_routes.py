@@ -38,6 +38,9 @@ log = logging.getLogger("kvgate.gateway")
 Parser = Callable[[Any, GatewayTokenizer, int | None, int | None], GenerationRequest]  # parse_chat, parse_completion
 
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenizing more than this would stall every other request on the loop
+# Fields that make parsing build a grammar (llguidance checks every schema: ~0.2 s for a 100k-value enum, more for
+# a hostile one): such a body parses in a thread whatever its size, so no other request waits on the loop for it.
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "tools")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what the refusal log names
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
@@ -90,12 +93,16 @@ async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationReque
 
 
 async def tokenize(parse: Parser, body: Any, principal: Principal) -> GenerationRequest:
-    """``parse`` (validate and tokenize) ``body``; in a thread when the request was large."""
+    """``parse`` (validate and tokenize) ``body``; in a thread when the request was large or carries a grammar."""
     state = app_state()
     args = (body, state.tokenizer, state.pool.max_model_len, principal.quota.max_tokens_per_request)
-    if (request.content_length or 0) > PARSE_IN_THREAD_BYTES:
+    if (request.content_length or 0) > PARSE_IN_THREAD_BYTES or parses_a_grammar(body):
         return await trio.to_thread.run_sync(parse, *args)
     return parse(*args)
+
+
+def parses_a_grammar(body: Any) -> bool:
+    return isinstance(body, dict) and any(body.get(k) for k in GRAMMAR_FIELDS)
 
 
 async def reserve(principal: Principal, req: GenerationRequest, request_id: str, rt: RequestTrace) -> None:
