@@ -89,28 +89,10 @@ def _tenancy_args(t: argparse._ActionsContainer) -> None:
 
 
 def _engine_args(g: argparse._ActionsContainer) -> None:
-    """Engine flags the gateway passes to the workers it starts."""
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4", "int8-a8", "int4-a8"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-tokens", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="KV cache: the model's dtype (auto), bf16/fp16, or int8 with per token and head scales (CPU)")
-    g.add_argument("--kv-cache-memory-gib", type=float, default=None,
-                   help="CPU: KV capacity in GiB instead of --kv-cache-tokens (blocks counted in the KV dtype)")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (default: each worker sizes it to its machine)")
-    g.add_argument("--target-step-ms", type=float, default=None,
-                   help="step time the sized budget aims at (default: 500 on a CPU, 100 on a GPU)")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads per local worker (default: one per core; with several local workers on one "
-                        "CPU host, give each its share)")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": '
-                        '3, "prompt_lookup_max": 3}\' (see README)')
+    """Engine flags the gateway passes to the workers it starts (the worker's own table: only those given)."""
+    from common.engine_flags import add_engine_flags
+
+    add_engine_flags(g, forwarded=True)
 
 
 def _observability_args(o: argparse._ActionsContainer) -> None:
@@ -123,6 +105,7 @@ def _observability_args(o: argparse._ActionsContainer) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    from common.engine_flags import given
     from gateway.config import (AdmissionConfig, EngineArgs, GatewayConfig, ObservabilityConfig, TenancyConfig,
                                 TimingConfig)
     from gateway.fleet.worker_auth import WorkerSecurity
@@ -136,9 +119,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               auth_failures_per_minute=a.auth_failures_per_minute,
                               demo_tenant=not a.no_demo_tenant,
                               responses_retention_days=a.responses_retention_days),
-        engine=EngineArgs(a.device, a.dtype, a.max_model_len, a.kv_cache_tokens, a.block_size, a.max_num_seqs,
-                          a.max_num_batched_tokens, a.target_step_ms, a.quantization, a.kv_cache_dtype,
-                          a.kv_cache_memory_gib, a.speculative_config, a.num_threads),
+        engine=EngineArgs(**given(a)),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,

@@ -8,56 +8,42 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
-from common.speculative import SpeculativeConfig
+from common import engine_flags
 from gateway.fleet.worker_auth import WorkerSecurity
 
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
-@dataclass(frozen=True)
 class EngineArgs:
-    """Knobs forwarded to local workers as ``--flag value``; None means the worker's default."""
+    """The engine flags ``kvgate serve`` was given (``common.engine_flags``), forwarded to the workers it starts as
+    ``--flag value``; a flag not given is left to the worker's default."""
 
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    block_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # None: each worker sizes it to its machine (--target-step-ms)
-    target_step_ms: float | None = None
-    quantization: str | None = None  # none | int8 | int4 | auto (workers.models.linear); None: the worker's
-    kv_cache_dtype: str | None = None  # auto | float32 | bfloat16 | float16 | int8; None: the worker's (auto)
-    kv_cache_memory_gib: float | None = None  # CPU KV budget in GiB instead of kv_cache_tokens
-    speculative_config: str | None = None  # JSON, vLLM's shape (common.speculative); None: off
-    num_threads: int | None = None  # CPU threads per worker; None: the worker's default (see gateway.cli)
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(engine_flags.FLAGS_BY_DEST))
+        if unknown:
+            raise TypeError(f"not an engine flag: {unknown[0]}")
+        self.values = {k: v for k, v in values.items() if v is not None and v is not False}  # 0 stays: refused
+        engine_flags.check(self.values)  # a bad value fails here, before any worker starts
 
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "target_step_ms", "num_threads"):
-            v = getattr(self, name)
-            if v is not None and not 1 <= v < float("inf"):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        if self.kv_cache_memory_gib is not None and not 0 < self.kv_cache_memory_gib < float("inf"):
-            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
-        if self.speculative_config is not None:
-            SpeculativeConfig.from_json(self.speculative_config)  # a bad one fails here, before workers start
+    @property
+    def device(self) -> str:
+        return str(self.values.get("device", "cpu"))
+
+    @property
+    def num_threads(self) -> int | None:
+        v = self.values.get("num_threads")
+        return None if v is None else int(v)
 
     def argv(self) -> list[str]:
-        out = ["--device", self.device, "--dtype", self.dtype]
-        if self.quantization is not None:
-            out += ["--quantization", self.quantization]
-        if self.kv_cache_dtype is not None:
-            out += ["--kv-cache-dtype", self.kv_cache_dtype]
-        for name in ("max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "target_step_ms", "kv_cache_memory_gib", "num_threads"):
-            v = getattr(self, name)
-            if v is not None:
-                out += [f"--{name.replace('_', '-')}", str(v)]
-        if self.speculative_config is not None:
-            out += ["--speculative-config", self.speculative_config]
-        return out
+        return engine_flags.argv(self.values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineArgs) and self.values == other.values
+
+    def __repr__(self) -> str:
+        return f"EngineArgs({self.values!r})"
 
 
 @dataclass(frozen=True)

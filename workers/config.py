@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.engine_flags import DTYPES as _DTYPES
+from common.engine_flags import KV_CACHE_DTYPES as KV_CACHE_DTYPES
+from common.engine_flags import QUANTIZATIONS as _QUANTIZATIONS
 from workers.core.scheduler import SchedulerConfig
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZATIONS = ("auto", "none", "int8", "int4", "int8-a8", "int4-a8")
 _BLOCK_MODES = _QUANTIZATIONS[2:]
-KV_CACHE_DTYPES = ("auto",) + _DTYPES + ("int8",)
 
 
 @dataclass(frozen=True)

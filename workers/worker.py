@@ -196,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         curve = client_curve(a.key, a.server_key, os.environ)
     except ValueError as e:
         p.error(str(e))
+    try:
+        cfg = engine_config(a)
+    except ValueError as e:  # a flag out of range: a usage error naming it, before the model loads
+        p.error(str(e))
     progress = StartupProgress(f"worker {a.worker_id}")
-    engine, _ = engine_from_config(engine_config(a), progress)
+    engine, _ = engine_from_config(cfg, progress)
     budget = _size_steps(engine, a, progress)
     bm = engine.scheduler.bm
     progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len "
