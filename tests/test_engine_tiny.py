@@ -157,3 +157,28 @@ def test_duplicate_request_id_rejected(hf) -> None:  # type: ignore[no-untyped-d
     eng.add_request("r", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="duplicate"):
         eng.add_request("r", [5, 6], GREEDY)
+
+
+def test_sequences_of_one_prompt_share_one_prefill() -> None:
+    """n sequences of one prompt sent together (the gateway's n): the prompt is computed once, the others start
+    from the cache, and each answer is what the prompt gets alone."""
+    from tests.test_determinism import _tiny, drain, engine
+    from workers.core.sampling_params import SamplingParams
+
+    model, max_len = _tiny("int4")
+    prompt = list(range(100, 300))  # 200 tokens: 12 full blocks of 16
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+    alone = {f"s{i}": drain(engine(model, max_len, "int4"), [(f"s{i}", prompt, p)])[f"s{i}"][0]
+             for i, p in enumerate(params)}
+    eng = engine(model, max_len, "int4")
+    for i, p in enumerate(params):
+        eng.add_request(f"s{i}", prompt, p, cache_salt="tenant")
+    steps: list[int] = []
+    together: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            together.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps.append(eng.last_num_batched_tokens)
+    assert together == alone
+    assert eng.stats().prefix_hits == 3 * 192  # the three others hit every full block of the first
+    assert sum(steps) == 200 + 3 * 8 + 4 * 7  # prompt once, 8 tokens each for the others, then 7 decodes each

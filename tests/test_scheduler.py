@@ -205,3 +205,37 @@ def test_preemption_and_abort_in_the_queue_are_in_the_timings() -> None:
     assert b is not None and b.scheduled == 0.0 and b.first_token == 0.0 and b.preempted == (3.0,)
     assert b.finished == 4.0
     assert c == RequestTimings(scheduled=None, first_token=None, finished=4.0, preempted=())
+
+
+def _same_prompt(rid: str, salt: str | None, n: int = 22) -> Request:
+    return Request(rid, list(range(500, 500 + n)), SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt,
+                   max_total_tokens=10_000)
+
+
+def test_one_prefill_for_one_prefix_arriving_together() -> None:
+    # Four sequences of one prompt (a request's n) arrive together: the first computes the prompt, the others wait
+    # for its blocks and hit the cache; another tenant's request (other salt: never shared) is not held up.
+    s = sched(bs=4, budget=64)
+    for i in range(4):
+        s.add_request(_same_prompt(f"c{i}", "t1"))
+    s.add_request(_same_prompt("other", "t2"))
+    out = s.schedule()
+    assert plan_of(out) == {"c0": 22, "other": 22}
+    finish_step(s, out)
+    out = s.schedule()  # c0's 5 full blocks are cached now: the rest compute the last 2 tokens each
+    assert {k: v for k, v in plan_of(out).items() if k.startswith("c") and k != "c0"} == {"c1": 2, "c2": 2, "c3": 2}
+    assert s.bm.prefix_hits == 3 * 20
+
+
+def test_a_long_prefill_holds_back_only_its_own_prefix() -> None:
+    s = sched(bs=4, budget=8)  # the prompt takes 3 chunks
+    s.add_request(_same_prompt("a", "t1"))
+    s.add_request(_same_prompt("b", "t1"))
+    seen = []
+    for _ in range(4):
+        out = s.schedule()
+        seen.append(plan_of(out))
+        finish_step(s, out)
+    # b waits while a computes the blocks it would share, then starts from the cache (not from token 0)
+    assert [p.get("b") for p in seen] == [None, None, None, 2] and seen[2] == {"a": 6}
+    assert s.bm.prefix_hits == 20

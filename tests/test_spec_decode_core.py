@@ -168,8 +168,8 @@ def test_an_accepted_run_stops_where_the_request_finishes(stop: str) -> None:
 
 def test_no_drafts_in_a_large_batch_and_drafts_never_preempt() -> None:
     s = _sched(budget=64, batch=2)
-    for i in range(3):
-        s.add_request(_req(f"r{i}", [1, 2, 3, 1, 2] if i else [7, 8, 9, 7, 8]))
+    for i, prompt in enumerate(([7, 8, 9, 7, 8], [1, 2, 3, 1, 2], [4, 5, 6, 4, 5])):  # no shared prefix: all 3 run
+        s.add_request(_req(f"r{i}", prompt))
     out = _prefill(s, 3)
     assert all(not x.spec_token_ids for x in out.scheduled)  # 3 running > 2
     s2 = _sched(budget=64, blocks=5)  # 20 slots

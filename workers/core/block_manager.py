@@ -95,6 +95,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def uncomputed_prompt_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the full prompt blocks ``req`` has yet to compute (what it will add to the prefix cache)."""
+        if not self.enable_prefix_caching:
+            return []
+        full = req.num_prompt_tokens // self.block_size
+        return self._request_hashes(req, full)[req.num_computed_tokens // self.block_size:]
+
+    def next_uncached_hash(self, req: Request, num_hits: int) -> bytes | None:
+        """The hash of the first block after ``req``'s cached prefix, if that block is full (a lookup could hit)."""
+        if not self.enable_prefix_caching or num_hits >= (req.num_tokens - 1) // self.block_size:
+            return None
+        return self._request_hashes(req, num_hits + 1)[num_hits]
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's blocks that are now full of computed tokens in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -9,12 +9,12 @@ tenant's burst cannot starve another.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from workers.core.request import Request
 
 
-def _key(req: Request) -> str:
+def salt_key(req: Request) -> str:
     # The empty salt is a tenant like any other ("no salt" requests share one queue).
     return req.cache_salt or ""
 
@@ -37,12 +37,12 @@ class FairQueue:
             yield from q
 
     def push(self, req: Request) -> None:
-        self._activate(_key(req)).append(req)
+        self._activate(salt_key(req)).append(req)
         self._len += 1
 
     def push_front(self, req: Request) -> None:
         """A preempted request goes back to the head of its salt's queue (it arrived first)."""
-        self._activate(_key(req)).appendleft(req)
+        self._activate(salt_key(req)).appendleft(req)
         self._len += 1
 
     def _activate(self, key: str) -> deque[Request]:
@@ -52,11 +52,14 @@ class FairQueue:
             self._vtime[key] = max(self._vtime.get(key, 0.0), self._now)
         return q
 
-    def peek(self) -> Request | None:
-        """Head of the salt with the least virtual time; ties go to the earliest arrival."""
+    def peek(self, skip: Collection[str] = ()) -> Request | None:
+        """Head of the salt with the least virtual time; ties go to the earliest arrival. Salts in ``skip`` (the
+        scheduler's: their head waits for a prefix another request is computing) are passed over."""
         best: Request | None = None
         best_tag = (0.0, 0.0)
         for key, q in self._queues.items():
+            if key in skip:
+                continue
             tag = (self._vtime[key], q[0].arrival_time)
             if best is None or tag < best_tag:
                 best, best_tag = q[0], tag
@@ -64,7 +67,7 @@ class FairQueue:
 
     def pop(self, req: Request, cost_tokens: int) -> None:
         """Remove ``req`` (the current peek) and charge its salt ``cost_tokens / weight``."""
-        key = _key(req)
+        key = salt_key(req)
         q = self._queues[key]
         if q[0] is not req:
             raise RuntimeError(f"{req.request_id} is not at the head of its queue")
@@ -77,7 +80,7 @@ class FairQueue:
 
     def remove(self, req: Request) -> bool:
         """Take a request out wherever it is (abort). Returns whether it was queued."""
-        key = _key(req)
+        key = salt_key(req)
         q = self._queues.get(key)
         if q is None or req not in q:
             return False

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from workers.core.block_manager import BlockManager
-from workers.core.fair_queue import FairQueue
+from workers.core.fair_queue import FairQueue, salt_key
 from workers.core import spec_decode
 from workers.core.outputs import (PromptLogprob, RequestTimings, Sampled, SampledToken, ScheduledRequest,
                                   SchedulerOutput, StepOutput, TokenLogprobs)
@@ -137,14 +137,28 @@ class Scheduler:
             spec_decode.update_acceptance(state, 0, 0)
         return draft
 
+    def _inflight_prefixes(self) -> set[bytes]:
+        """The prompt blocks running requests are computing now, by content hash."""
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self.bm.uncomputed_prompt_hashes(r)}
+
     def _schedule_waiting(self, budget: int, out: list[ScheduledRequest]) -> int:
         bs = self.bm.block_size
         now: float | None = None
+        # One prefill for one prefix: a request whose next block another request is computing waits for it (a
+        # step or a few) and then hits the cache, instead of computing the same block beside it. This is what
+        # makes the n choices of one request (the gateway's n / best_of, sent together) share one prefill.
+        inflight = self._inflight_prefixes()
+        deferred: set[str] = set()  # salts whose head waits this step (the rest of the queue goes on)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
+            req = self.waiting.peek(deferred)
             if req is None:
                 break
             hits = [] if req.needs_prompt_logprobs else self.bm.find_cached_prefix(req)
+            nxt = None if req.needs_prompt_logprobs else self.bm.next_uncached_hash(req, len(hits))
+            if nxt is not None and nxt in inflight:
+                deferred.add(salt_key(req))
+                continue
             n = min(req.num_tokens - len(hits) * bs, budget)
             if not self.bm.allocate_slots(req, n, hits):
                 break  # doesn't fit now: wait for running requests to finish (no skipping ahead)
@@ -160,6 +174,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(ScheduledRequest(req, n, self.bm.block_table(req.request_id)))
+            inflight.update(self.bm.uncomputed_prompt_hashes(req))
             budget -= n
         return budget
 
