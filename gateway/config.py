@@ -50,16 +50,21 @@ class EngineArgs:
 class AdmissionConfig:
     """Per-worker bounds on what the gateway hands a worker before answering 503 (never an unbounded queue)."""
 
-    max_requests: int = 256  # in flight on one worker (running + waiting there)
-    max_prompt_tokens: int = 262_144  # prompt tokens in flight on one worker
+    # In flight on one worker (running + waiting there), and their prompt tokens. A tenant holding less than its
+    # weighted share of them there still gets in, up to twice them (gateway/fleet/routing.py).
+    max_requests: int = 256
+    max_prompt_tokens: int = 262_144
     affinity_entries: int = 10_000  # bounded LRU of prefix hash -> worker
     affinity_slack: int = 8  # follow a prefix to its worker unless it has this many more requests than the least loaded
+    # ... and unless that worker holds this many more of the tenant's requests than the worker holding fewest:
+    # a tenant pinned to one worker is absent from the others' fair queues (gateway/fleet/routing.py)
+    tenant_slack: int = 2
 
     def __post_init__(self) -> None:
         if self.max_requests < 1 or self.max_prompt_tokens < 1 or self.affinity_entries < 1:
             raise ValueError("admission bounds must be >= 1")
-        if self.affinity_slack < 0:
-            raise ValueError("affinity_slack must be >= 0")
+        if self.affinity_slack < 0 or self.tenant_slack < 0:
+            raise ValueError("affinity_slack and tenant_slack must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from gateway.config import AdmissionConfig
 from gateway.api.errors import APIError
 from gateway.pipeline.generation import OutputAssembler
 from gateway.pipeline.protocol import parse_chat, parse_completion
-from gateway.fleet.routing import Router, WorkerLoad, prefix_keys
+from gateway.fleet.routing import Router, TenantCounts, WorkerLoad, prefix_keys
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from ipc.messages import RequestOutputMsg
 
@@ -109,6 +109,13 @@ def test_earliest_of_several_stop_strings_wins() -> None:
     assert d.text == "aa" and d.finish_reason == "stop"
 
 
+def _held(tenant: str, requests: int, tokens: int) -> TenantCounts:
+    counts = TenantCounts()
+    for i in range(requests):
+        counts.add(tenant, 1.0, tokens if i == 0 else 0)
+    return counts
+
+
 def test_router_least_loaded_affinity_and_admission() -> None:
     r = Router(AdmissionConfig(max_requests=2, max_prompt_tokens=1000, affinity_slack=1))
     prompt = list(range(300))
@@ -119,7 +126,8 @@ def test_router_least_loaded_affinity_and_admission() -> None:
     r.record(keys, "a")
     assert r.choose(loads, keys, 300) == "a"  # the worker that has the prefix, within the slack
     assert r.choose([WorkerLoad("a", 2, 10, 0.1), WorkerLoad("b", 0, 0, 0.0)], keys, 300) == "b"  # a is full
-    assert r.choose([WorkerLoad("a", 2, 0, 0.0), WorkerLoad("b", 1, 900, 0.0)], keys, 300) is None
+    full = [WorkerLoad("a", 2, 0, 0.0, _held("", 2, 0)), WorkerLoad("b", 1, 900, 0.0, _held("", 1, 900))]
+    assert r.choose(full, keys, 300) is None  # one tenant alone never gets past the bounds (routing.py)
     assert r.choose([WorkerLoad("a", 0, 0, 0.0)], [], 5000) == "a"  # a big prompt still fits an idle worker
     r.forget_worker("a")
     assert r.choose(loads, keys, 300) == "b"

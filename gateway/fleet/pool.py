@@ -31,7 +31,7 @@ from gateway.api.errors import unavailable
 from gateway.pipeline.handle import PendingBudget, RequestFailed, RequestHandle
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
-from gateway.fleet.routing import Router, prefix_keys
+from gateway.fleet.routing import Placement, Router, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, Generate, Goodbye, Hello, Refused, RequestError, Shutdown, Stats, StepOutputs,
@@ -131,14 +131,16 @@ class WorkerPool:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
-                     trace_context: dict[str, str] | None = None) -> RequestHandle:
-        """Pick a worker and queue the request for it. Raises APIError(503) when no worker can take it."""
+                     trace_context: dict[str, str] | None = None, near: str | None = None) -> RequestHandle:
+        """Pick a worker and queue the request for it (``near``: the worker of the same request's first
+        sequence). Raises APIError(503) when no worker can take it."""
         await trio.lowlevel.checkpoint()
         open_ = [w.load() for w in self.workers.values() if not w.draining]  # a draining worker takes nothing new
         if not open_:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
         keys = prefix_keys(cache_salt, prompt_ids)
-        wid = self.router.choose(open_, keys, len(prompt_ids))
+        tenant = cache_salt or ""  # the workers' fair queues share by salt (one a tenant): so does the router
+        wid = self.router.choose(open_, keys, len(prompt_ids), Placement(tenant, weight, near))
         if wid is None:
             raise unavailable("all workers are at capacity; retry later", self.retry_after())
         w = self.workers[wid]
@@ -147,10 +149,9 @@ class WorkerPool:
             w.outbox.send_nowait(msg)
         except trio.WouldBlock:  # the worker has not read its pipe for a while: it can't take more now
             raise unavailable("the worker's queue is full; retry later", self.retry_after()) from None
-        handle = RequestHandle(request_id, wid, len(prompt_ids), budget=self.pending)
+        handle = RequestHandle(request_id, wid, len(prompt_ids), budget=self.pending, tenant=tenant, weight=weight)
         self._requests[request_id] = handle
-        w.requests[request_id] = handle
-        w.prompt_tokens += len(prompt_ids)
+        w.hold(handle)
         self.router.record(keys, wid)
         return handle
 
@@ -163,9 +164,8 @@ class WorkerPool:
         handle.close()
         self._requests.pop(handle.request_id, None)
         w = self.workers.get(handle.worker_id)
-        if w is None or w.requests.pop(handle.request_id, None) is None:
+        if w is None or w.drop(handle.request_id) is None:
             return  # its worker died (or was replaced): nothing runs there any more
-        w.prompt_tokens -= handle.prompt_len
         if handle.finished:
             d = trio.current_time() - handle.started
             w.service_time = d if w.service_time is None else (1 - _EWMA_ALPHA) * w.service_time + _EWMA_ALPHA * d

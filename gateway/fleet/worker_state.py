@@ -9,7 +9,7 @@ from typing import Final, Protocol
 import trio
 
 from gateway.pipeline.handle import RequestHandle
-from gateway.fleet.routing import WorkerLoad
+from gateway.fleet.routing import TenantCounts, WorkerLoad
 from gateway.fleet.worker_link import Outgoing, open_outbox
 from ipc.messages import EngineTimings, Hello, Stats
 
@@ -55,6 +55,7 @@ class WorkerState:
     stats_at: float | None = None  # trio clock when ``stats`` arrived (its step_elapsed was true then)
     requests: dict[str, RequestHandle] = field(default_factory=dict)
     prompt_tokens: int = 0
+    tenants: TenantCounts = field(default_factory=TenantCounts)  # ``requests`` by tenant: the router spreads them
     service_time: float | None = None  # EWMA of request durations (s); drives retry-after
     outbox: trio.MemorySendChannel[Outgoing] = field(default_factory=_outbox_send)
     sender_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -88,7 +89,21 @@ class WorkerState:
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, len(self.requests), self.prompt_tokens,
-                          self.stats.kv_usage if self.stats else 0.0)
+                          self.stats.kv_usage if self.stats else 0.0, self.tenants)
+
+    def hold(self, handle: RequestHandle) -> None:
+        """``handle`` was sent here: count it in everything the router reads."""
+        self.requests[handle.request_id] = handle
+        self.prompt_tokens += handle.prompt_len
+        self.tenants.add(handle.tenant, handle.weight, handle.prompt_len)
+
+    def drop(self, request_id: str) -> RequestHandle | None:
+        """Stop counting ``request_id`` here; its handle, or None when it was not held."""
+        handle = self.requests.pop(request_id, None)
+        if handle is not None:
+            self.prompt_tokens -= handle.prompt_len
+            self.tenants.remove(handle.tenant, handle.prompt_len)
+        return handle
 
     def slot_eta(self) -> float:
         """Seconds until one of this worker's requests is likely to finish (frees an admission slot)."""

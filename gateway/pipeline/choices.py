@@ -5,7 +5,8 @@ As in vLLM V1, a request for several sequences fans out at the gateway: one ``Ge
 so a worker needs no notion of siblings. They share the prompt's KV blocks through the worker's tenant-scoped
 prefix cache when they land on one worker, which the router's prefix affinity (cache salt + prompt,
 ``gateway/fleet/routing.py``) does for a prompt long enough to be keyed, unless that worker is much busier than
-the least loaded one; otherwise they spread like separate requests would.
+the least loaded one (its spread of each tenant's requests over the workers does not split them); otherwise they
+spread like separate requests would.
 
 Seeds: sequence ``i`` samples with ``seed + i`` (mod 2**63, the wire's range), so a seeded request is reproducible
 choice by choice and its choice ``i`` is what the same request with ``n: 1`` and ``seed + i`` returns. Without a
@@ -152,8 +153,9 @@ async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest,
                      cache_salt: str | None, deadline: float | None, weight: float,
                      trace_context: dict[str, str] | None) -> None:
     """Queue one worker request per sequence, one after the other (the first one's prefix affinity then draws the
-    rest to its worker). Raises what ``pool.submit`` raises; the caller's ``release_all`` aborts those queued."""
+    rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
+    Raises what ``pool.submit`` raises; the caller's ``release_all`` aborts those queued."""
     for i in range(choices.best_of):
         handle = await pool.submit(choices.child_id(i), req.prompt_ids, child_sampling(req.sampling, i), cache_salt,
-                                   deadline, weight, trace_context)
+                                   deadline, weight, trace_context, near=choices.worker_id)
         choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, i)))

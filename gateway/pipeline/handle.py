@@ -70,10 +70,12 @@ class RequestFailed(Exception):
 
 class RequestHandle:
     def __init__(self, request_id: str, worker_id: str, prompt_len: int,
-                 max_pending_bytes: int = MAX_PENDING_BYTES, budget: PendingBudget = _UNBOUNDED) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, budget: PendingBudget = _UNBOUNDED,
+                 tenant: str = "", weight: float = 1.0) -> None:
         self.request_id = request_id
         self.worker_id = worker_id
         self.prompt_len = prompt_len
+        self.tenant, self.weight = tenant, weight  # the router's per-tenant accounting (cache salt, weight)
         self.started = trio.current_time()
         self.finished = False  # the worker sent a finish_reason (its KV blocks are already free)
         self.released = False  # the pool no longer routes outputs here
