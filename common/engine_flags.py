@@ -64,6 +64,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("num_threads", int, None, "CPU: threads for the model's arithmetic (default: torch's, one per core; "
                                    "with several workers on one CPU host, give each its share)", minimum=1),
     Flag("seed", int, 0, "the engine's sampling seed for requests without one", minimum=0),
+    Flag("scheduling_policy", str, "priority", "priority (default): a request's priority (lower sooner) orders the "
+                                               "queue and may preempt worse-placed ones; fcfs: every request at 0",
+         choices=("fcfs", "priority")),
     Flag("speculative_config", speculative_arg, None,
          'n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, '
          '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (optional: disable_by_batch_size, '
@@ -79,6 +82,7 @@ OFFLINE: Mapping[str, str] = {
     "block_size": "block_size", "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "no_prefix_caching": "enable_prefix_caching",  # negated
     "num_threads": "num_threads", "seed": "seed", "speculative_config": "speculative_config",
+    "scheduling_policy": "scheduling_policy",
 }
 PROCESS_ONLY = {"target_step_ms": "the worker sizes its step budget at start; the offline LLM takes "
                                   "max_num_batched_tokens as given"}

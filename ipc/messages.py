@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 8  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 9  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
 # 5: speculative-decoding counters in Stats; 6: Refused; 7: RequestOutputMsg.error_code; 8: prompt logprobs
-# (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs)
+# (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -40,6 +40,7 @@ class Generate:
     weight: float  # weighted-fair-queuing share of the tenant
     deadline: float | None  # unix seconds; the worker may finish the request with a timeout after it
     trace_context: dict[str, str] | None  # W3C traceparent/tracestate, propagated as-is
+    priority: int = 0  # vLLM's: lower runs sooner (the worker's priority scheduling policy)
 
 
 @dataclass(frozen=True, slots=True)

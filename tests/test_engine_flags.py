@@ -25,7 +25,7 @@ SAMPLES: dict[str, list[str]] = {
     "block_size": ["--block-size", "32"], "max_num_seqs": ["--max-num-seqs", "8"],
     "max_num_batched_tokens": ["--max-num-batched-tokens", "256"], "target_step_ms": ["--target-step-ms", "250"],
     "no_prefix_caching": ["--no-prefix-caching"], "num_threads": ["--num-threads", "2"], "seed": ["--seed", "7"],
-    "speculative_config": ["--speculative-config", SPEC],
+    "speculative_config": ["--speculative-config", SPEC], "scheduling_policy": ["--scheduling-policy", "fcfs"],
 }
 
 

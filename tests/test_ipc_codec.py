@@ -65,6 +65,8 @@ SAMPLES: list[Message] = [
     StepOutputs([RequestOutputMsg("r", [], "abort", 0, None, None, EngineTimings(None, None, 0.0, []))], 0),
     StepOutputs([], 512),  # a prefill chunk that sampled nothing
     Generate("r", [1, 2, 3], SamplingParams(logprobs=2, prompt_logprobs=20), None, 1.0, None, None),
+    Generate("r", [1], SamplingParams(), "salt", 1.0, None, None, 100),  # a bulk request's priority
+    Generate("r", [1], SamplingParams(), None, 1.0, None, None, -5),
     StepOutputs([RequestOutputMsg("r", [5], None, 0, None, None, None, None,
                                   [(-1.5, 3, [(7, -0.2), (9, -1.0)]), (-math.inf, 49152, [])])], 3),
     STATS,

@@ -53,7 +53,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, weight: float = 1.0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Raises ValueError for input that is wrong (a 4xx); a prompt that can never fit is accepted and
         finishes at the next step with an error, so the caller sees one uniform path."""
         ids = list(prompt_token_ids)
@@ -67,9 +67,12 @@ class LLMEngine:
             raise ValueError(f"weight must be > 0, got {weight}")
         if request_id in self.scheduler.requests or request_id in self._parked:  # before its matcher is made
             raise ValueError(f"duplicate request id {request_id!r}")
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ValueError("priority other than 0 needs the priority scheduling policy (--scheduling-policy "
+                             "priority)")
         req = Request(request_id, ids, params, cache_salt, float(weight),
                       arrival_time if arrival_time is not None else self.scheduler.clock(),
-                      self.eos_token_ids, self.max_model_len)
+                      self.eos_token_ids, self.max_model_len, priority=int(priority))
         # Never blocks: a grammar not compiled yet parks the request; a malformed spec raises
         if structured.prepare(self, request_id, params):
             self._parked[request_id] = req

@@ -36,7 +36,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
-                 quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None) -> None:
+                 quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None,
+                 scheduling_policy: str = "priority") -> None:
         """``speculative_config``: vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError."""
         from transformers import AutoTokenizer
@@ -45,7 +46,8 @@ class LLM:
             ModelConfig(model, device, dtype, max_model_len, seed, num_threads, quantization),
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype, kv_cache_bytes),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config)))
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config),
+                            scheduling_policy))
         self.engine: LLMEngine
         self.engine, directory = engine_from_config(self.config)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(directory)
@@ -53,9 +55,9 @@ class LLM:
 
     # ---- step-level API (what a worker process drives) ---------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    cache_salt: str | None = None, weight: float = 1.0) -> list[int]:
+                    cache_salt: str | None = None, weight: float = 1.0, priority: int = 0) -> list[int]:
         ids = self.encode(prompt)
-        self.engine.add_request(request_id, ids, params, cache_salt, weight)
+        self.engine.add_request(request_id, ids, params, cache_salt, weight, priority=priority)
         return ids
 
     def step(self) -> list[StepOutput]:

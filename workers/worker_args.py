@@ -29,4 +29,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                     quantization=a.quantization),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     None if gib is None else int(gib * 2**30)),
-                        SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative))
+                        SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative,
+                                        a.scheduling_policy))

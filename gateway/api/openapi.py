@@ -80,6 +80,9 @@ _BEST_OF = {"type": "integer", "minimum": 1, "maximum": MAX_N,
 _COMMON = {
     "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
     "n": _N, "user": _STR,
+    "priority": {"type": "integer", "minimum": -(2**31 - 1), "maximum": 2**31 - 1, "default": 0,
+                 "description": "vLLM's: lower runs sooner (workers under --scheduling-policy priority, the default; "
+                                "fcfs refuses values other than 0)"},
     "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": _BOOL}},
     **_SAMPLING,
     # structured outputs (gateway/pipeline/response_format.py): at most one of these four

@@ -131,7 +131,8 @@ class WorkerPool:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
-                     trace_context: dict[str, str] | None = None, near: str | None = None) -> RequestHandle:
+                     trace_context: dict[str, str] | None = None, near: str | None = None,
+                     priority: int = 0) -> RequestHandle:
         """Pick a worker and queue the request for it (``near``: the worker of the same request's first
         sequence). Raises APIError(503) when no worker can take it."""
         await trio.lowlevel.checkpoint()
@@ -144,7 +145,7 @@ class WorkerPool:
         if wid is None:
             raise unavailable("all workers are at capacity; retry later", self.retry_after())
         w = self.workers[wid]
-        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None)
+        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None, priority)
         try:
             w.outbox.send_nowait(msg)
         except trio.WouldBlock:  # the worker has not read its pipe for a while: it can't take more now

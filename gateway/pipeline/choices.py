@@ -157,5 +157,5 @@ async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest,
     Raises what ``pool.submit`` raises; the caller's ``release_all`` aborts those queued."""
     for i in range(choices.best_of):
         handle = await pool.submit(choices.child_id(i), req.prompt_ids, child_sampling(req.sampling, i), cache_salt,
-                                   deadline, weight, trace_context, near=choices.worker_id)
+                                   deadline, weight, trace_context, near=choices.worker_id, priority=req.priority)
         choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, i)))

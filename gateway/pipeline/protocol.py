@@ -28,6 +28,7 @@ from ipc.sampling import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
+MAX_PRIORITY = 2**31 - 1  # vLLM's priority is any int; the wire carries it in 32 bits comfortably
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for: each holds its own KV blocks on a worker
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -50,6 +51,7 @@ class GenerationRequest:
     tools: ToolConfig | None = None  # chat with tools: the answer is split into content and tool_calls
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs with this many alternatives
     echo: str | None = None  # completions with echo: the prompt's text, sent before the completion
+    priority: int = 0  # vLLM's: lower runs sooner (workers' priority scheduling policy; fcfs refuses others)
 
 
 # ---- field types ---------------------------------------------------------------------------------
@@ -84,7 +86,8 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
-    "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, **_SAMPLING_FIELDS, **STRUCTURED_FIELDS,
+    "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, "priority": _is_int, **_SAMPLING_FIELDS,
+    **STRUCTURED_FIELDS,
 }
 CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
                "top_logprobs": _is_int, "tools": _is_any, "tool_choice": _is_any, "parallel_tool_calls": _is_bool}
@@ -249,6 +252,13 @@ def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...],
     return stream, _stream_options(fields, stream), _stop(fields), _count(fields, "n", 1)
 
 
+def _priority(fields: dict[str, Any]) -> int:
+    p = int(fields.get("priority", 0))
+    if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
+        raise bad_request(f"'priority' must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", param="priority")
+    return p
+
+
 def _prompt_logprobs(fields: dict[str, Any]) -> int | None:
     k = fields.get("prompt_logprobs")
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
@@ -290,7 +300,7 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     prompt_lps = _prompt_logprobs(fields)
     sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, tok.tool_format, prompt_lps)
     return GenerationRequest("chat", prompt_ids, sampling, max_tokens, stop, stream, include_usage, logprobs,
-                             n_top or 0, n, n, tools, prompt_lps)
+                             n_top or 0, n, n, tools, prompt_lps, priority=_priority(fields))
 
 
 def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
@@ -316,4 +326,4 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     worker_prompt_lps = max(wanted) if wanted else None
     sampling = _sampling(fields, max_tokens, worker_top, tok.vocab_size, prompt_logprobs=worker_prompt_lps)
     return GenerationRequest("completion", prompt_ids, sampling, max_tokens, stop, stream, include_usage,
-                             n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo)
+                             n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo, _priority(fields))

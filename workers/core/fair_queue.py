@@ -9,7 +9,7 @@ tenant's burst cannot starve another.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from workers.core.request import Request
 
@@ -19,10 +19,15 @@ def salt_key(req: Request) -> str:
     return req.cache_salt or ""
 
 
+def queue_key(req: Request) -> tuple[str, int]:
+    """One FIFO per tenant and priority: a tenant's bulk requests never stand in front of its interactive ones."""
+    return salt_key(req), req.priority
+
+
 class FairQueue:
     def __init__(self) -> None:
-        self._queues: dict[str, deque[Request]] = {}
-        self._vtime: dict[str, float] = {}
+        self._queues: dict[tuple[str, int], deque[Request]] = {}
+        self._vtime: dict[tuple[str, int], float] = {}
         self._now = 0.0  # virtual time: start tag of the last admitted request
         self._len = 0
 
@@ -37,37 +42,39 @@ class FairQueue:
             yield from q
 
     def push(self, req: Request) -> None:
-        self._activate(salt_key(req)).append(req)
+        self._activate(queue_key(req)).append(req)
         self._len += 1
 
     def push_front(self, req: Request) -> None:
         """A preempted request goes back to the head of its salt's queue (it arrived first)."""
-        self._activate(salt_key(req)).appendleft(req)
+        self._activate(queue_key(req)).appendleft(req)
         self._len += 1
 
-    def _activate(self, key: str) -> deque[Request]:
+    def _activate(self, key: tuple[str, int]) -> deque[Request]:
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = deque()
             self._vtime[key] = max(self._vtime.get(key, 0.0), self._now)
         return q
 
-    def peek(self, skip: Collection[str] = ()) -> Request | None:
-        """Head of the salt with the least virtual time; ties go to the earliest arrival. Salts in ``skip`` (the
+    def peek(self, skip: Collection[tuple[str, int]] = (),
+             rank: Callable[[Request], int] | None = None) -> Request | None:
+        """Head of the queue with the least virtual time; ties go to the earliest arrival. With ``rank`` (the
+        priority policy's effective level) the best-ranked heads compete first. Queues in ``skip`` (the
         scheduler's: their head waits for a prefix another request is computing) are passed over."""
         best: Request | None = None
-        best_tag = (0.0, 0.0)
+        best_tag = (0, 0.0, 0.0)
         for key, q in self._queues.items():
             if key in skip:
                 continue
-            tag = (self._vtime[key], q[0].arrival_time)
+            tag = (rank(q[0]) if rank is not None else 0, self._vtime[key], q[0].arrival_time)
             if best is None or tag < best_tag:
                 best, best_tag = q[0], tag
         return best
 
     def pop(self, req: Request, cost_tokens: int) -> None:
         """Remove ``req`` (the current peek) and charge its salt ``cost_tokens / weight``."""
-        key = salt_key(req)
+        key = queue_key(req)
         q = self._queues[key]
         if q[0] is not req:
             raise RuntimeError(f"{req.request_id} is not at the head of its queue")
@@ -80,7 +87,7 @@ class FairQueue:
 
     def remove(self, req: Request) -> bool:
         """Take a request out wherever it is (abort). Returns whether it was queued."""
-        key = salt_key(req)
+        key = queue_key(req)
         q = self._queues.get(key)
         if q is None or req not in q:
             return False
@@ -90,7 +97,7 @@ class FairQueue:
             self._retire(key)
         return True
 
-    def _retire(self, key: str) -> None:
+    def _retire(self, key: tuple[str, int]) -> None:
         del self._queues[key]
         # A salt at or behind the clock would restart at the clock anyway: forget it (bounded memory).
         if self._vtime[key] <= self._now:

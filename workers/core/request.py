@@ -51,6 +51,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
     max_total_tokens: int = 0  # prompt + output may not exceed this (the context limit)
+    priority: int = 0  # lower runs sooner, under the priority policy (workers/core/priority.py)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from workers.core.block_manager import BlockManager
-from workers.core.fair_queue import FairQueue, salt_key
+from workers.core import priority
+from workers.core.fair_queue import FairQueue, queue_key
 from workers.core import spec_decode
 from workers.core.outputs import (PromptLogprob, RequestTimings, Sampled, SampledToken, ScheduledRequest,
                                   SchedulerOutput, StepOutput, TokenLogprobs)
@@ -25,8 +26,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
+    policy: str = "priority"  # or "fcfs" (every request at priority 0): workers/core/priority.py
 
     def __post_init__(self) -> None:
+        if self.policy not in priority.POLICIES:
+            raise ValueError(f"scheduling policy must be one of {priority.POLICIES}, got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -52,6 +56,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.priority != 0 and self.config.policy != "priority":
+            raise ValueError("priority other than 0 needs the priority scheduling policy (--scheduling-policy "
+                             "priority)")
         capacity = self.bm.num_blocks * self.bm.block_size
         if req.num_prompt_tokens > req.max_total_tokens or req.num_prompt_tokens > capacity:
             # Can never fit: finish with a reason instead of stalling the queue.
@@ -85,16 +92,47 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        best_waiting: int | None = None
+        made_room: list[str] = []
+        if self.config.policy == "priority":
+            self.running.sort(key=priority.running_order)  # stable: equal ones keep their admission order
+            best_waiting, made_room = self._make_room_for_the_best_waiting()
+        budget = self._schedule_running(budget, scheduled, preempted, best_waiting)
         if not preempted:  # a step that had to preempt admits nobody new
             budget = self._schedule_waiting(budget, scheduled)
         used = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, used, preempted)
+        return SchedulerOutput(scheduled, used, made_room + preempted)
 
-    def _schedule_running(self, budget: int, out: list[ScheduledRequest], preempted: list[str]) -> int:
+    def _rank(self) -> Callable[[Request], int] | None:
+        if self.config.policy != "priority":
+            return None
+        now = self.clock()
+        return lambda r: priority.effective(r, now)
+
+    def _make_room_for_the_best_waiting(self) -> tuple[int | None, list[str]]:
+        """Priority policy: the best waiting request's level; where it finds no sequence slot or KV blocks, the
+        worst running requests placed below it are preempted until it does (none of them ran this step yet)."""
+        rank = self._rank()
+        head = self.waiting.peek(rank=rank)
+        if head is None or rank is None:
+            return None, []
+        level, preempted = rank(head), []
+        need = self.bm.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens))
+        while self.running and self.running[-1].priority > level and (
+                len(self.running) >= self.config.max_num_seqs or self.bm.num_free_blocks < need):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return level, preempted
+
+    def _schedule_running(self, budget: int, out: list[ScheduledRequest], preempted: list[str],
+                          best_waiting: int | None = None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if priority.holds_back(req, best_waiting):
+                i += 1  # its next prefill chunk waits: the budget goes to the better-placed arrival first
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
             # A draft never preempts anyone: it runs only where its blocks are free with one block to spare
@@ -137,10 +175,11 @@ class Scheduler:
             spec_decode.update_acceptance(state, 0, 0)
         return draft
 
-    def _inflight_prefixes(self) -> set[bytes]:
-        """The prompt blocks running requests are computing now, by content hash."""
-        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
-                for h in self.bm.uncomputed_prompt_hashes(r)}
+    def _inflight_prefixes(self, planned: list[ScheduledRequest]) -> set[bytes]:
+        """The prompt blocks this step's running requests are computing, by content hash (one held back this
+        step counts not: a request waiting for its blocks would wait on something that does not move)."""
+        return {h for s in planned if s.request.num_computed_tokens < s.request.num_prompt_tokens
+                for h in self.bm.uncomputed_prompt_hashes(s.request)}
 
     def _schedule_waiting(self, budget: int, out: list[ScheduledRequest]) -> int:
         bs = self.bm.block_size
@@ -148,16 +187,16 @@ class Scheduler:
         # One prefill for one prefix: a request whose next block another request is computing waits for it (a
         # step or a few) and then hits the cache, instead of computing the same block beside it. This is what
         # makes the n choices of one request (the gateway's n / best_of, sent together) share one prefill.
-        inflight = self._inflight_prefixes()
-        deferred: set[str] = set()  # salts whose head waits this step (the rest of the queue goes on)
+        inflight = self._inflight_prefixes(out)
+        deferred: set[tuple[str, int]] = set()  # queues whose head waits this step (the rest go on)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek(deferred)
+            req = self.waiting.peek(deferred, self._rank())
             if req is None:
                 break
             hits = [] if req.needs_prompt_logprobs else self.bm.find_cached_prefix(req)
             nxt = None if req.needs_prompt_logprobs else self.bm.next_uncached_hash(req, len(hits))
             if nxt is not None and nxt in inflight:
-                deferred.add(salt_key(req))
+                deferred.add(queue_key(req))
                 continue
             n = min(req.num_tokens - len(hits) * bs, budget)
             if not self.bm.allocate_slots(req, n, hits):
