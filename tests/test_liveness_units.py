@@ -123,8 +123,8 @@ class _Builder:
     def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
-    def delta_chunk(self, d: Delta) -> dict[str, Any] | None:
-        return {"choices": [{"text": d.text, "finish_reason": d.finish_reason}]}
+    def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        return [{"choices": [{"text": d.text, "finish_reason": d.finish_reason}]}]
 
 
 class _Pool:

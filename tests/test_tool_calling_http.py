@@ -89,8 +89,9 @@ def test_stream_has_openai_shapes_and_adds_up_to_the_plain_answer(server: Server
     deltas = [c["choices"][0]["delta"] for c in chunks]
     first = deltas[0]
     assert first["role"] == "assistant" and first["content"] is None
-    head = first["tool_calls"][0]
+    [head] = first["tool_calls"]  # as OpenAI's: id, type and name alone, arguments empty, fragments after
     assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("call_")
+    assert head["function"]["arguments"] == ""
     assert head["function"]["name"] == plain[0]["function"]["name"]
     fragments = [head["function"]["arguments"]]
     for d in deltas[1:]:

@@ -110,6 +110,17 @@ class ResponseBuilder:
                                                                             req.prompt_logprobs)
         return req.echo or "", echo_lp, plp
 
+    def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The chunks for ``d``: one, or none when nothing visible happened; with tools, a call's first chunk (its
+        id and name) goes out on its own, as OpenAI's does, before its argument fragments."""
+        if self._with_tools and d.prompt_logprobs is None:
+            return [self._chunk(c) for c in self._tool_deltas(d, self._token_logprobs(d))]
+        chunk = self.delta_chunk(d)
+        return [] if chunk is None else [chunk]
+
+    def _token_logprobs(self, d: Delta) -> dict[str, Any] | None:
+        return self._logprobs(d.index, d.token_ids, d.logprobs) if self.req.logprobs and d.logprobs else None
+
     def delta_chunk(self, d: Delta) -> dict[str, Any] | None:
         echo, echo_lp, plp = self._prompt_part(d.index, d.prompt_logprobs)
         if not (d.text or echo or plp) and d.finish_reason is None and not (self.req.logprobs and d.logprobs):
@@ -124,9 +135,15 @@ class ResponseBuilder:
             chunk = chunk or self._chunk({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": None})
             return {**chunk, "prompt_logprobs": plp}
         if self._with_tools:
-            choice = self._tool_delta(d, lp)
-            if choice is None:
+            choices = self._tool_deltas(d, lp)
+            if not choices:
                 return None
+            merged = {**choices[-1], "delta": {k: v for c in choices for k, v in c["delta"].items()
+                                                if k != "tool_calls"}}
+            calls = [tc for c in choices for tc in c["delta"].get("tool_calls", [])]
+            if calls:
+                merged["delta"]["tool_calls"] = calls
+            choice = merged
         elif self.req.kind == "chat":
             choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                       "finish_reason": d.finish_reason}
@@ -136,24 +153,30 @@ class ResponseBuilder:
                 choice["prompt_logprobs"] = plp
         return self._chunk(choice)
 
-    def _tool_delta(self, d: Delta, lp: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _tool_deltas(self, d: Delta, lp: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The choice deltas for ``d`` with tools: a call's first entry (id, name) alone in its chunk, its
+        argument fragments after it; the finish reason and logprobs on the last one."""
         parser = self._parsers.setdefault(d.index, ToolCallParser())
         text, calls = parser.feed(d.text, final=d.finish_reason is not None)
-        delta: dict[str, Any] = {}
-        if text or calls or (d.finish_reason is not None and not parser.sent_role):
-            if not parser.sent_role:
-                delta["role"] = "assistant"
-                parser.sent_role = True
-                if calls:
-                    delta["content"] = None  # as OpenAI's first chunk of a call
-            if calls:
-                delta["tool_calls"] = calls
-            else:
-                delta["content"] = text
-        if not delta and d.finish_reason is None and lp is None:
-            return None  # held back: it may still turn out to be a call
-        return {"index": d.index, "delta": delta, "logprobs": lp,
-                "finish_reason": self._finish(d.finish_reason, parser)}
+        deltas: list[dict[str, Any]] = []
+        if calls:
+            for entry in calls:  # a new call's entry opens a chunk; fragments join the chunk before them
+                if "id" in entry or not deltas or "id" in deltas[-1]["tool_calls"][-1]:
+                    deltas.append({"tool_calls": [entry]})
+                else:
+                    deltas[-1]["tool_calls"].append(entry)
+        elif text or (d.finish_reason is not None and not parser.sent_role):
+            deltas.append({"content": text})
+        if deltas and not parser.sent_role:
+            deltas[0] = {"role": "assistant", **({"content": None} if calls else {}), **deltas[0]}
+            parser.sent_role = True
+        if not deltas and (d.finish_reason is not None or lp is not None):
+            deltas.append({})
+        out: list[dict[str, Any]] = [{"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
+                                     for delta in deltas]
+        if out:
+            out[-1]["logprobs"], out[-1]["finish_reason"] = lp, self._finish(d.finish_reason, parser)
+        return out
 
     def usage_chunk(self, choices: Choices) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.req.kind == "chat" else "text_completion")

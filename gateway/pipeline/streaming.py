@@ -227,8 +227,7 @@ class StreamProducer(EventProducer):
         # follow_all has released the sequence when d ends it (aborting it on the worker after a stop string)
         if d.finish_reason is not None and self.choices.finished:
             await self.account.finish(self.choices)  # durable in the ledger before the client sees the end
-        chunk = self.builder.delta_chunk(d)
-        if chunk is not None:
+        for chunk in self.builder.delta_chunks(d):
             await self._put(sse_event(chunk))
 
     async def _stream(self) -> None:

@@ -161,10 +161,11 @@ class ToolCallParser:
 
 
 def _merge(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive fragments of one call as one entry (what a client accumulates is unchanged)."""
+    """Consecutive argument fragments of one call as one entry (what a client accumulates is unchanged); a call's
+    first entry (its id and name, empty arguments, as OpenAI sends it) stays on its own."""
     merged: list[dict[str, Any]] = []
     for d in deltas:
-        if merged and merged[-1]["index"] == d["index"]:
+        if merged and merged[-1]["index"] == d["index"] and "id" not in merged[-1] and "id" not in d:
             fn = merged[-1]["function"]
             fn["arguments"] = fn.get("arguments", "") + d["function"]["arguments"]
         else:
