@@ -86,6 +86,12 @@ def _tenancy_args(t: argparse._ActionsContainer) -> None:
                    default=os.environ.get("KVGATE_RESPONSES_RETENTION_DAYS", "30"),  # argparse applies type
                    help="keep stored /v1/responses objects this long, then delete them (default 30; env "
                         "KVGATE_RESPONSES_RETENTION_DAYS)")
+    t.add_argument("--max-file-bytes", type=int, default=100 * 1024 * 1024,
+                   help="largest batch input file /v1/files accepts (default 100 MiB; held in memory and stored in "
+                        "the database)")
+    t.add_argument("--batch-lines-in-flight", type=int, default=8,
+                   help="batch lines the leading gateway runs at once (default 8): the rest of the capacity stays "
+                        "with interactive requests")
 
 
 def _engine_args(g: argparse._ActionsContainer) -> None:
@@ -106,8 +112,8 @@ def _observability_args(o: argparse._ActionsContainer) -> None:
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     from common.engine_flags import given
-    from gateway.config import (AdmissionConfig, EngineArgs, GatewayConfig, ObservabilityConfig, TenancyConfig,
-                                TimingConfig)
+    from gateway.config import (AdmissionConfig, BatchConfig, EngineArgs, GatewayConfig, ObservabilityConfig,
+                                TenancyConfig, TimingConfig)
     from gateway.fleet.worker_auth import WorkerSecurity
 
     return GatewayConfig(
@@ -119,6 +125,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                               auth_failures_per_minute=a.auth_failures_per_minute,
                               demo_tenant=not a.no_demo_tenant,
                               responses_retention_days=a.responses_retention_days),
+        batch=BatchConfig(max_file_bytes=a.max_file_bytes, lines_in_flight=a.batch_lines_in_flight),
         engine=EngineArgs(**given(a)),
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,

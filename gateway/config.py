@@ -113,6 +113,23 @@ class TenancyConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """The Batch API's bounds (``/v1/files``, ``/v1/batches``; gateway/batches/)."""
+
+    max_file_bytes: int = 100 * 1024 * 1024  # an upload is held in memory whole (and stored in the database)
+    max_file_lines: int = 50_000  # requests in one input file, OpenAI's limit
+    lines_in_flight: int = 8  # batch lines the leading gateway runs at once: interactive traffic keeps the rest
+
+    def __post_init__(self) -> None:
+        if self.max_file_bytes < 1:
+            raise ValueError(f"--max-file-bytes must be >= 1, got {self.max_file_bytes}")
+        if self.max_file_lines < 1:
+            raise ValueError(f"max_file_lines must be >= 1, got {self.max_file_lines}")
+        if self.lines_in_flight < 1:
+            raise ValueError(f"--batch-lines-in-flight must be >= 1, got {self.lines_in_flight}")
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     gpu_hour_cost: float | None = None  # price of one worker (a GPU) for an hour; turned into cost per 1k tokens
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces); None: off
@@ -142,6 +159,7 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     worker_security: WorkerSecurity = field(default_factory=WorkerSecurity)  # CURVE on the worker socket
 

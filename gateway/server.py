@@ -1,16 +1,20 @@
 """Run a whole gateway: the worker pool on its ROUTER, the local worker supervisor, and Hypercorn (trio).
 
-Lifecycle as nested nurseries: the outer one holds the pool and the supervisor, the inner one the HTTP
-server. SIGINT/SIGTERM first drains (new API requests get 503 with retry-after, /ready turns false, requests in
-flight get up to ``--drain-timeout`` to finish), then stops the HTTP server (Hypercorn gives the last responses
-``graceful_timeout`` to flush), then the workers are told to shut down and the outer nursery is cancelled, which terminates (then kills)
-every local worker. Nothing outlives ``serve``.
+Lifecycle as nested nurseries: the outer one holds the pool, the supervisor and the background tasks (ledger
+writer, quota settler, stored-responses pruner, batch runner), the inner one the HTTP server. SIGINT/SIGTERM first
+drains (new API requests get 503 with retry-after, /ready turns false, the batch runner starts no new line, requests
+and batch lines in flight get up to ``--drain-timeout`` to finish), then stops the HTTP server (Hypercorn gives the
+last responses ``graceful_timeout`` to flush), then the workers are told to shut down and the outer nursery is
+cancelled, which terminates (then kills) every local worker. Nothing outlives ``serve``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import signal
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +38,9 @@ from gateway.fleet.worker_auth import WorkerAuth, start_worker_auth
 from ipc.transport import gateway_router
 from tenancy.limiter import Limiter, RateLimiter
 from tenancy.server_secret import ServerSecret
+from gateway.batches.line import LineRunner, Pipeline, batch_priority
+from gateway.batches.runner import LEASE_TTL_S, BatchRunner
+from gateway.batches.stored import StoredBatches
 from gateway.responses.stored import StoredResponses
 from tenancy.db_backend import redact
 from tenancy.responses_store import ResponseStore
@@ -131,6 +138,20 @@ def _create_demo_tenant(store: TenancyStore, db_path: str) -> None:
     log.info("created tenant 'demo' with key %s on an empty store", key_id)
 
 
+def _lease_holder(cfg: GatewayConfig) -> str:
+    """This process among the gateways that may run batches (its log lines name it)."""
+    return f"{socket.gethostname()}:{cfg.port}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def _batch_runner(state: GatewayState) -> BatchRunner:
+    cfg, ten = state.config, state.tenancy
+    pipe = Pipeline(state.tokenizer, state.pool, ten.quota, state.metrics, state.tracing, cfg.model_name,
+                    cfg.timing.request_timeout, batch_priority(cfg.engine.values.get("scheduling_policy")))
+    return BatchRunner(ten.batches, LineRunner(pipe, lambda: state.draining), ten.auth.principal_of,
+                       model=cfg.model_name, max_file_lines=cfg.batch.max_file_lines,
+                       in_flight=cfg.batch.lines_in_flight, draining=lambda: state.draining)
+
+
 async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporter: SpanExporter | None = None,
                 task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the gateway until a signal (or ``task_status``'s "stop" event). ``span_exporter`` receives every
@@ -157,7 +178,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                                                    failures_per_minute=cfg.tenancy.auth_failures_per_minute),
                               QuotaGate(limiter), UsageLedger(store.record_usage),
                               StoredResponses(ResponseStore(store.backend,
-                                                            cfg.tenancy.responses_retention_days * 86400.0)))
+                                                            cfg.tenancy.responses_retention_days * 86400.0)),
+                              StoredBatches(store.backend, _lease_holder(cfg), LEASE_TTL_S))
             await outer.start(tenancy.ledger.run)  # first in, last out: rows of ending requests still land
             await outer.start(tenancy.quota.run)
             await outer.start(tenancy.responses.run)  # prunes expired stored responses
@@ -178,6 +200,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                     worker_auth.keyring.local_ids = frozenset(supervisor.worker_ids())
                 await outer.start(supervisor.run)
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
+            await outer.start(_batch_runner(state).run)  # runs batches while this gateway holds the lease
             app = create_app(state)
             stop = trio.Event()
             hc = _hypercorn_config(cfg)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from gateway.pipeline.admission import QuotaGate
 from gateway.api.auth import Authenticator
+from gateway.batches.stored import StoredBatches
 from gateway.config import GatewayConfig
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.pipeline.ledger import UsageLedger
@@ -27,6 +28,7 @@ class Tenancy:
     quota: QuotaGate
     ledger: UsageLedger
     responses: StoredResponses  # the Responses API's stored objects (same database as the store)
+    batches: StoredBatches  # the Batch API's files, batches and runner lease (same database)
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Each migration is a tuple of single statements, not a script: `executescript` would COMMIT behind our back and
 break the one-transaction-per-upgrade guarantee. The statements are written in SQLite's spelling; `for_postgres`
-names the one difference that matters there (REAL is single precision in PostgreSQL: a Unix time in it would be
-off by minutes, so every REAL column becomes DOUBLE PRECISION). The PostgreSQL runner is in tenancy/db_postgres.py.
+names the two differences that matter there (REAL is single precision in PostgreSQL: a Unix time in it would be
+off by minutes, so every REAL column becomes DOUBLE PRECISION; PostgreSQL has no BLOB, its bytes are BYTEA). The
+PostgreSQL runner is in tenancy/db_postgres.py.
 """
 
 from __future__ import annotations
@@ -77,6 +78,63 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         )""",
         "CREATE INDEX responses_created ON responses(created_at)",
     )),
+    # The Batch API (tenancy/files_store.py, tenancy/batch_store.py). Files keep their bytes in the database: every
+    # gateway on a shared PostgreSQL serves them and whichever gateway leads the batch runner reads them. A batch's
+    # lines are rows of their own so that each result lands in its own transaction (a restart resumes from them);
+    # they are deleted when the batch's output and error files are written. One lease row names the gateway that
+    # runs batches.
+    (5, (
+        """CREATE TABLE files (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            created_at REAL NOT NULL,
+            filename TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            size_bytes INTEGER NOT NULL,
+            line_count INTEGER NOT NULL,
+            endpoint TEXT,
+            content BLOB NOT NULL
+        )""",
+        "CREATE INDEX files_tenant ON files(tenant_id, created_at)",
+        """CREATE TABLE batches (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            key_id TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('validating', 'failed', 'in_progress', 'finalizing', 'completed',
+                                                   'expired', 'cancelling', 'cancelled')),
+            endpoint TEXT NOT NULL,
+            input_file_id TEXT NOT NULL,
+            completion_window TEXT NOT NULL,
+            metadata TEXT,
+            expires_at REAL NOT NULL,
+            in_progress_at REAL, finalizing_at REAL, completed_at REAL, failed_at REAL, expired_at REAL,
+            cancelling_at REAL, cancelled_at REAL,
+            total INTEGER NOT NULL DEFAULT 0,
+            completed INTEGER NOT NULL DEFAULT 0,
+            failed INTEGER NOT NULL DEFAULT 0,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            cached_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            output_file_id TEXT,
+            error_file_id TEXT,
+            errors TEXT
+        )""",
+        "CREATE INDEX batches_tenant ON batches(tenant_id, created_at)",
+        "CREATE INDEX batches_status ON batches(status)",
+        """CREATE TABLE batch_lines (
+            batch_id TEXT NOT NULL REFERENCES batches(id) ON DELETE CASCADE,
+            line INTEGER NOT NULL,
+            custom_id TEXT NOT NULL,
+            body TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            attempted_at REAL,
+            result TEXT,
+            ok INTEGER,
+            PRIMARY KEY (batch_id, line)
+        )""",
+        "CREATE TABLE batch_lease (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL)",
+    )),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
@@ -84,7 +142,7 @@ VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIM
 
 
 def for_postgres(statement: str) -> str:
-    return re.sub(r"\bREAL\b", "DOUBLE PRECISION", statement)
+    return re.sub(r"\bBLOB\b", "BYTEA", re.sub(r"\bREAL\b", "DOUBLE PRECISION", statement))
 
 
 def pending(have: int) -> list[tuple[int, tuple[str, ...]]]:

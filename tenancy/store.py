@@ -248,10 +248,8 @@ class TenancyStore:
         neither loses nor doubles a row). Returns how many rows were new."""
         if not rows:
             return 0
-        params = [(r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens,
-                   r.completion_tokens, r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms) for r in rows]
         with self._db.write() as tx:
-            return tx.execute_many(self._db.dialect.usage_insert(), params)
+            return tx.execute_many(self._db.dialect.usage_insert(), [usage_params(r) for r in rows])
 
     def usage_rows(self, tenant: str, since: float | None = None) -> list[UsageRow]:
         tenant_id = self.get_tenant(tenant).id
@@ -292,6 +290,12 @@ class TenancyStore:
         rows = self._read(f"SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage "
                           f"WHERE {column} = ? AND started_at >= ?", (ident, since))
         return int(rows[0][0])
+
+
+def usage_params(r: UsageRow) -> tuple[Any, ...]:
+    """A ledger row as the parameters of ``Dialect.usage_insert`` (also written by tenancy/batch_store.py)."""
+    return (r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+            r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms)
 
 
 def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -> tuple[TenancyStore, ServerSecret]:

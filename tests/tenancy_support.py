@@ -11,9 +11,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from tenancy.models import Quota
@@ -105,3 +107,21 @@ def run_concurrently(calls: list[tuple[str, str, dict[str, Any]]], timeout: floa
 
     trio.run(main)
     return [r for r in results if r is not None]
+
+
+PEPPER = b"test-pepper"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Both store backends: a fresh SQLite file, or the session's PostgreSQL (tests/postgres_support.py)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "kvgate.db")
+    return str(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def tenancy(db: str) -> Iterator[TenancyStore]:
+    store = TenancyStore(db, PEPPER)
+    yield store
+    store.close()

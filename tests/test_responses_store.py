@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,8 +21,8 @@ from gateway.responses.stored import StoredResponses
 from tenancy.responses_store import ResponseStore, StoredResponse
 from tenancy.store import TenancyStore
 from tests.test_gateway_support import MODEL, Server, start_server
+from tests.tenancy_support import PEPPER, db, tenancy  # noqa: F401  (fixtures)
 
-PEPPER = b"test-pepper"
 DAY = 86400.0
 
 
@@ -34,19 +33,6 @@ class FakeClock:
     def __call__(self) -> float:
         return self.t
 
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "kvgate.db")
-    return str(request.getfixturevalue("postgres_url"))
-
-
-@pytest.fixture
-def tenancy(db: str) -> Iterator[TenancyStore]:
-    store = TenancyStore(db, PEPPER)
-    yield store
-    store.close()
 
 
 def _record(rid: str, tenant_id: str, created_at: float, text: str = "out") -> StoredResponse:

@@ -1,8 +1,9 @@
 """The Quart (quart-trio) application: ``create_app`` composes the route modules over one ``GatewayState``.
 
 Route modules: ``generation_routes`` (the OpenAI generation routes), ``responses_routes`` (the Responses API,
-which reuses the generation routes' steps), ``service_routes`` (health, ready,
-version, models, own usage, metrics), ``token_routes`` (tokenize/detokenize), ``admin`` (the /admin JSON API),
+which reuses the generation routes' steps), ``files_routes`` and ``batch_routes`` (the Batch API),
+``service_routes`` (health, ready, version, models, own usage, metrics), ``token_routes`` (tokenize/detokenize),
+``admin`` (the /admin JSON API),
 ``openapi`` (/openapi.json), ``web`` (browser pages, security headers, CORS, /admin/workers) and ``worker_admin``
 (drain a worker); ``hooks`` holds the app-wide response hooks and the error handlers that make every error
 OpenAI-shaped JSON.
@@ -13,7 +14,8 @@ from __future__ import annotations
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from gateway.api import generation_routes, hooks, openapi, responses_routes, service_routes, token_routes
+from gateway.api import (batch_routes, files_routes, generation_routes, hooks, openapi, responses_routes,
+                         service_routes, token_routes)
 from gateway.api.admin import create_admin_blueprint
 from gateway.api.context import bind_state
 from gateway.api.errors import APIError
@@ -34,6 +36,8 @@ def create_app(state: GatewayState) -> QuartTrio:
     app.after_request(hooks.add_ratelimit_headers)
     generation_routes.register(app)
     responses_routes.register(app)
+    files_routes.register(app, cfg.batch.max_file_bytes)  # uploads get a body limit of their own
+    batch_routes.register(app)
     service_routes.register(app)
     token_routes.register(app)
     app.register_blueprint(create_admin_blueprint(state.tenancy.store, cfg.tenancy.admin_token,

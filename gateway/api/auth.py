@@ -140,6 +140,34 @@ class Authenticator:
             del self._loading[digest]
             done.set()
 
+    async def principal_of(self, tenant_id: str, key_id: str) -> Principal:
+        """The principal of a key known by id, for work it asked for earlier (a batch's lines run with the rights
+        of the key that created the batch, checked again as they run, not cached). Raises the APIError a request
+        with that key would get now: 401 once the key is revoked, expired or gone, 403 while its tenant is
+        suspended."""
+        # Abandoned on cancel: the caller bounds the wait (a hung store must not hold the batch runner).
+        principal = await trio.to_thread.run_sync(self._load_by_id, tenant_id, key_id, abandon_on_cancel=True)
+        if principal is None:
+            raise APIError(401, "The API key that created this batch was revoked or has expired.",
+                           code="invalid_api_key")
+        return principal
+
+    def _load_by_id(self, tenant_id: str, key_id: str) -> Principal | None:
+        key = self._store.find_key(key_id)
+        tenant = self._store.find_tenant(tenant_id)
+        if key is None or tenant is None or key.tenant_id != tenant_id or key.revoked_at is not None:
+            return None
+        if key.expires_at is not None and time.time() >= key.expires_at:
+            return None
+        auth = AuthResult(tenant.id, tenant.name, tenant.status, key.id, tenant.weight, tenant.log_text)
+        if auth.tenant_status != "active":
+            raise _suspended(auth)
+        try:
+            tenant_row, key_row = self._store.quota_rows(tenant_id, key_id)
+        except KeyError:  # the tenant was deleted between the queries
+            return None
+        return build_principal(auth, tenant_row, key_row, self._secret.cache_salt(tenant_id))
+
     def _load(self, key: str) -> Principal | None:
         auth = self._store.authenticate(key)
         if auth is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from quart import Response
 
+from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
 from gateway.pipeline.protocol import MAX_N
 
@@ -159,6 +160,7 @@ def _api_paths(model: Json) -> Json:
         "/v1/completions": {"post": _op("Text completion (SSE with stream: true)", TENANT_AUTH,
                                         body=_body(completion), stream=True)},
         **responses_paths(model, _op, _body, _param, TENANT_AUTH),
+        **batches_paths(_op, _body, _param, TENANT_AUTH),
         "/v1/models": {"get": _op("The served model, if the key may use it", TENANT_AUTH)},
         "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
         "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(

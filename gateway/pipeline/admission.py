@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import trio
 
@@ -31,7 +31,6 @@ from gateway.api.auth import Principal
 from gateway.api.errors import APIError
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.pipeline.choices import Choices
-from gateway.pipeline.ledger import UsageLedger
 from gateway.telemetry.tracing import RequestTrace
 from tenancy.limiter import Decision, RateLimiter, RateLimitInfo, Scope
 from tenancy.limits_spec import never_fits
@@ -154,10 +153,19 @@ def sequence_scopes(scopes: Sequence[Scope], prompt_tokens: int, max_tokens: int
     return [Scope(s.name, replace(s.quota, max_tokens_per_request=None)) for s in scopes]
 
 
+class Ledger(Protocol):
+    """Where a request's usage row goes: ``gateway.pipeline.ledger.UsageLedger``, or a batch line's capture (its
+    row is written with the line's result, ``gateway.batches.line``)."""
+
+    async def record(self, row: UsageRow) -> bool: ...
+
+    def record_nowait(self, row: UsageRow) -> object: ...
+
+
 class RequestAccount:
     """The ledger row and the reservation of one admitted request; ``finish`` or ``end``, exactly once."""
 
-    def __init__(self, gate: QuotaGate, ledger: UsageLedger, metrics: GatewayMetrics, principal: Principal,
+    def __init__(self, gate: QuotaGate, ledger: Ledger, metrics: GatewayMetrics, principal: Principal,
                  request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool, *,
                  prompt_text: str | None = None) -> None:
         self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
