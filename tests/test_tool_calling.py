@@ -225,3 +225,37 @@ def test_bodies_that_build_a_grammar_parse_off_the_event_loop() -> None:
     assert parses_a_grammar({"messages": ASK, "response_format": {"type": "json_object"}})
     assert not parses_a_grammar({"messages": ASK, "tools": None}) and not parses_a_grammar({"messages": ASK})
     assert not parses_a_grammar(["not", "an", "object"])
+
+
+LLAMA_TEMPLATE = (Path(__file__).parent / "data" / "llama3_json_template.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def llama_tok(tmp_path_factory: pytest.TempPathFactory, tok: GatewayTokenizer) -> GatewayTokenizer:
+    d = tmp_path_factory.mktemp("llama-json")
+    (d / "tokenizer.json").write_bytes((tok.directory / "tokenizer.json").read_bytes())
+    (d / "chat_template.jinja").write_text(LLAMA_TEMPLATE)
+    return GatewayTokenizer(d)
+
+
+def test_llama_json_format_prompt_grammar_and_parser(llama_tok: GatewayTokenizer, ll_tok: Any) -> None:
+    assert llama_tok.tool_format == "llama_json"
+    req = _chat(llama_tok, messages=LOOP, tools=[WEATHER, ADD])
+    text = llama_tok.decode(req.prompt_ids, skip_special_tokens=False)
+    assert '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}' in text  # the template's calls
+    assert '<|im_start|>ipython\n{"temp":18}' in text and json.dumps(ADD) in text
+    spec = req.sampling.structured
+    call = json.dumps({"name": "add", "parameters": {"a": 1, "b": 2}}, separators=(",", ":"))
+    assert _accepts(ll_tok, llama_tok, spec, call) and _accepts(ll_tok, llama_tok, spec, "It is sunny.")
+    assert not _accepts(ll_tok, llama_tok, spec, call + call)  # Llama's JSON calling: one call an answer
+    assert not _accepts(ll_tok, llama_tok, spec, '{"name":"add","arguments":{"a":1,"b":2}}')
+    assert not _accepts(ll_tok, llama_tok, spec, "{not json")  # text may not start like a call
+    assert req.tools is not None
+    whole = ToolCallParser(req.tools.syntax)
+    whole.feed(call, final=True)
+    assert [c["function"] for c in whole.tool_calls()] == [{"name": "add", "arguments": '{"a":1,"b":2}'}]
+    streamed = ToolCallParser(req.tools.syntax)
+    got = [d for i in range(len(call)) for d in streamed.feed(call[i], final=i == len(call) - 1)[1]]
+    assert got[0]["function"] == {"name": "add", "arguments": ""}
+    assert "".join(d["function"]["arguments"] for d in got) == '{"a":1,"b":2}'
+    assert ToolCallParser(req.tools.syntax).feed("Sunny {maybe}", final=True) == ("Sunny {maybe}", [])

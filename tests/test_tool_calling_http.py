@@ -172,3 +172,22 @@ def test_native_template_calls_parallel(hermes_server: Server) -> None:
     tokens = httpx.post(hermes_server.url + "/tokenize", headers=hermes_server.headers, timeout=60,
                         json={"model": MODEL, "messages": ASK}).json()["tokens"]
     assert tokens  # the route renders the native template too
+
+
+def test_llama_json_template_calls(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.test_tool_calling import LLAMA_TEMPLATE
+
+    d = tmp_path / "llama-model"
+    d.mkdir()
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    (d / "chat_template.jinja").write_text(LLAMA_TEMPLATE)
+    srv = start_server(d, tmp_path / "gateway.log")
+    try:
+        for seed in range(3):
+            r = _post(srv, {"tool_choice": "required", "temperature": 1.0, "seed": seed, "max_tokens": 200})
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+            _check_calls(choice["message"]["tool_calls"])
+    finally:
+        srv.stop()

@@ -141,7 +141,7 @@ def _generic(msgs: list[Message], tools: ToolConfig | None, tool_role: str) -> l
 def template_input(msgs: list[Message], tools: ToolConfig | None, fmt: Format,
                    tool_role: str = "user") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template: ``tools`` is given to native templates only."""
-    if fmt == "native":
+    if fmt != "generic":  # the template writes calls itself (Hermes, Llama 3.x JSON)
         shown = [t.openai_shape() for t in tools.tools] if tools is not None and tools.calls_allowed else None
         return _native(msgs), shown
     return _generic(msgs, tools, tool_role), None

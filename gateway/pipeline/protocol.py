@@ -22,7 +22,7 @@ from gateway.api.errors import APIError, bad_request
 from gateway.pipeline.chat_messages import parse_messages, template_input
 from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
-from gateway.pipeline.tools import Format, ToolConfig, grammar_spec, parse_tools
+from gateway.pipeline.tools import ToolConfig, grammar_spec, parse_tools
 from ipc.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -183,22 +183,22 @@ def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
 _PARAM_RE = re.compile(r"^([a-z_]+) ")
 
 
-def _structured(fields: dict[str, Any], tools: ToolConfig | None, tok_format: Format) -> str | None:
+def _structured(fields: dict[str, Any], tools: ToolConfig | None) -> str | None:
     spec = structured_spec(fields)
     if tools is None or not tools.calls_allowed:
         return spec
-    return grammar_spec(tools, None if spec is None else json.loads(spec), tok_format)
+    return grammar_spec(tools, None if spec is None else json.loads(spec))
 
 
 def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None, vocab: int,
-              tools: ToolConfig | None = None, tok_format: Format = "generic",
+              tools: ToolConfig | None = None,
               prompt_logprobs: int | None = None) -> SamplingParams:
     kw = {k: fields[k] for k in _SAMPLING_FIELDS if k in fields}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs,
-                              structured=_structured(fields, tools, tok_format), prompt_logprobs=prompt_logprobs, **kw)
+                              structured=_structured(fields, tools), prompt_logprobs=prompt_logprobs, **kw)
     except ValueError as e:  # the wire type's own range check; its messages start with the field name
         m = _PARAM_RE.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from e
@@ -281,7 +281,7 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     if "messages" not in fields:
         raise bad_request("'messages' is required", param="messages")
     messages = parse_messages(fields["messages"])
-    tools = parse_tools(fields)
+    tools = parse_tools(fields, tok.tool_format)
     logprobs = bool(fields.get("logprobs", False))
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
@@ -298,7 +298,7 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     max_tokens = _max_tokens(fields, key, len(prompt_ids), max_model_len, None, "messages", default_max_tokens_cap)
     n_top = (top or 0) if logprobs else None
     prompt_lps = _prompt_logprobs(fields)
-    sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, tok.tool_format, prompt_lps)
+    sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, prompt_lps)
     return GenerationRequest("chat", prompt_ids, sampling, max_tokens, stop, stream, include_usage, logprobs,
                              n_top or 0, n, n, tools, prompt_lps, priority=_priority(fields))
 

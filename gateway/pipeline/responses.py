@@ -74,6 +74,9 @@ class ResponseBuilder:
     def _with_tools(self) -> bool:
         return self.req.kind == "chat" and self.req.tools is not None
 
+    def _new_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.req.tools.syntax) if self.req.tools is not None else ToolCallParser()
+
     def _finish(self, finish: str | None, parser: ToolCallParser) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a call forced by name ends with "stop"
         tools = self.req.tools
@@ -156,7 +159,7 @@ class ResponseBuilder:
     def _tool_deltas(self, d: Delta, lp: dict[str, Any] | None) -> list[dict[str, Any]]:
         """The choice deltas for ``d`` with tools: a call's first entry (id, name) alone in its chunk, its
         argument fragments after it; the finish reason and logprobs on the last one."""
-        parser = self._parsers.setdefault(d.index, ToolCallParser())
+        parser = self._parsers.setdefault(d.index, self._new_parser())
         text, calls = parser.feed(d.text, final=d.finish_reason is not None)
         deltas: list[dict[str, Any]] = []
         if calls:
@@ -218,7 +221,7 @@ class ResponseBuilder:
         echo, echo_lp, plp = ("", None, None) if chat else self._prompt_part(index, asm.prompt_logprobs)
         lp = self._logprobs(index, asm.token_ids, asm.logprobs) if self.req.logprobs else None
         if self._with_tools:
-            parser = ToolCallParser()
+            parser = self._new_parser()
             parser.feed(asm.text, final=True)
             message: dict[str, Any] = {"role": "assistant", "content": parser.content if not parser.calls else None}
             if parser.calls:

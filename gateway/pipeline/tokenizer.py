@@ -66,6 +66,17 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
+def tool_format_of(template: str) -> Format:
+    """How a chat template writes tool calls (gateway.pipeline.tools): Hermes ``<tool_call>`` blocks; Llama 3.x's
+    JSON tool calling (its templates render results as ``ipython`` turns and calls as ``{"name", "parameters"}``);
+    or no tool syntax at all (the generic format)."""
+    if CALL_START in template:
+        return "native"
+    if "ipython" in template and "tools" in template and '"parameters"' in template:
+        return "llama_json"
+    return "generic"
+
+
 class GatewayTokenizer:
     """Encode, decode and chat-render for one model. Thread-safe for concurrent encode/decode calls."""
 
@@ -88,8 +99,7 @@ class GatewayTokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(source) if isinstance(source, str) else None
-        # A template that writes Hermes <tool_call> blocks renders tools and calls itself (gateway.pipeline.tools)
-        self.tool_format: Format = "native" if isinstance(source, str) and CALL_START in source else "generic"
+        self.tool_format = tool_format_of(source if isinstance(source, str) else "")
         self.tool_role = self._tool_role()
 
     def _tool_role(self) -> str:

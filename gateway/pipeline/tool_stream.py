@@ -20,10 +20,14 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.pipeline.tools import CALL_END, CALL_START
+from gateway.pipeline.tools import SYNTAX, Syntax
 
-# The start of a call's object up to its arguments value; the grammar writes "name" first.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+def _head(args_key: str) -> re.Pattern[str]:
+    """The start of a call's object up to its arguments value; the grammar writes "name" first."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + args_key + r'"\s*:\s*(?=\S)')
+
+
 _ID_CHARS = string.ascii_letters + string.digits
 
 
@@ -84,7 +88,9 @@ class _Call:
 class ToolCallParser:
     """One choice's answer; ``feed`` returns (content, tool_call deltas) to send now."""
 
-    def __init__(self) -> None:
+    def __init__(self, syntax: Syntax = SYNTAX["generic"]) -> None:
+        self._start, self._end = syntax.start.strip(), syntax.end.strip()  # "" for a bare JSON object
+        self._head_re = _head(syntax.args_key)
         self.text = ""
         self.mode = "undecided"  # then "text" or "calls"
         self.content = ""
@@ -96,9 +102,10 @@ class ToolCallParser:
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.text += text
         if self.mode == "undecided":
-            if self.text.startswith(CALL_START):
+            opener = self._start or "{"  # a bare object's call starts at its brace
+            if self.text.startswith(opener):
                 self.mode = "calls"
-            elif CALL_START.startswith(self.text) and not final:
+            elif opener.startswith(self.text) and not final:
                 return "", []  # could still be a call: hold it back
             else:
                 self.mode = "text"
@@ -115,9 +122,9 @@ class ToolCallParser:
             if call is None:
                 rest = self.text[self._pos:]
                 stripped = rest.lstrip()
-                if not stripped.startswith(CALL_START):
+                if not stripped.startswith(self._start or "{"):
                     return out  # a separator, part of the next call's opening, or the end
-                self._pos += len(rest) - len(stripped) + len(CALL_START)
+                self._pos += len(rest) - len(stripped) + len(self._start)
                 self._current = call = _Call(self._pos)
                 self.calls.append(call)
             if call.name is None and not self._head(call, out):
@@ -126,13 +133,13 @@ class ToolCallParser:
                 self._arguments(call, out)
                 if call.args_end is None:
                     return out
-            end = self.text.find(CALL_END, call.args_end)
+            end = self.text.find(self._end or "}", call.args_end)  # a bare object ends at its own brace
             if end < 0:
                 return out
-            self._pos, self._current = end + len(CALL_END), None
+            self._pos, self._current = end + len(self._end or "}"), None
 
     def _head(self, call: _Call, out: list[dict[str, Any]]) -> bool:
-        m = _HEAD.match(self.text, call.body_at)
+        m = self._head_re.match(self.text, call.body_at)
         if m is None:
             return False
         call.id, call.name = new_call_id(), json.loads(f'"{m.group(1)}"')

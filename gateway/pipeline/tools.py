@@ -33,7 +33,28 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function na
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
 Mode = Literal["none", "auto", "required", "named"]
-Format = Literal["native", "generic"]
+Format = Literal["native", "generic", "llama_json"]
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How a call is written in text: a wrapped ``{"name", "arguments"}`` block (Hermes, and the generic format),
+    or Llama 3.x's bare ``{"name", "parameters"}`` object (its JSON tool calling: one call an answer)."""
+
+    start: str  # opens a call ("" for a bare object)
+    end: str  # closes it
+    args_key: str
+    sep: str | None  # between parallel calls; None: one call an answer
+    text_may_not_start: str  # an answer in text may not start with this (it would start a call)
+
+
+SYNTAX: dict[Format, Syntax] = {
+    "native": Syntax(CALL_START + "\n", "\n" + CALL_END, "arguments", "\n", "<"),  # Hermes templates: newline between
+    # Generic: nothing between calls: given a newline after a call, smollm2 took it and was then held to a second,
+    # identical call, and so on until max_tokens; given none, it ends its answer right after </tool_call>.
+    "generic": Syntax(CALL_START + "\n", "\n" + CALL_END, "arguments", "", "<"),
+    "llama_json": Syntax("", "", "parameters", None, "{"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,11 @@ class ToolConfig:
     mode: Mode
     named: str | None  # the function tool_choice names (mode "named")
     parallel: bool  # several calls in one answer
+    fmt: Format = "generic"  # how the model's template writes calls (GatewayTokenizer.tool_format)
+
+    @property
+    def syntax(self) -> Syntax:
+        return SYNTAX[self.fmt]
 
     @property
     def calls_allowed(self) -> bool:
@@ -121,8 +147,9 @@ def _tool_choice(value: Any, names: set[str]) -> tuple[Mode, str | None]:
                       code="invalid_value")
 
 
-def parse_tools(fields: dict[str, Any]) -> ToolConfig | None:
-    """The request's tool settings, or None when it gives no tools (then tool_choice must be absent too)."""
+def parse_tools(fields: dict[str, Any], fmt: Format = "generic") -> ToolConfig | None:
+    """The request's tool settings, or None when it gives no tools (then tool_choice must be absent too);
+    ``fmt``: how the model's template writes calls."""
     tools = fields.get("tools")
     if tools is None:
         for key in ("tool_choice", "parallel_tool_calls"):
@@ -140,37 +167,34 @@ def parse_tools(fields: dict[str, Any]) -> ToolConfig | None:
         dup = next(n for n in names if names.count(n) > 1)
         raise bad_request(f"Invalid 'tools': function name '{dup}' is given twice.", param="tools")
     mode, named = _tool_choice(fields.get("tool_choice", "auto"), set(names))
-    return ToolConfig(parsed, mode, named, bool(fields.get("parallel_tool_calls", True)))
+    return ToolConfig(parsed, mode, named, bool(fields.get("parallel_tool_calls", True)), fmt)
 
 
 # ---- the grammar --------------------------------------------------------------------------------
 
-def _call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
-    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+def _call_schema(tools: tuple[Tool, ...], args_key: str) -> dict[str, Any]:
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
+                 "required": ["name", args_key], "additionalProperties": False} for t in tools]
     # Compact JSON: a small model does not spend tokens on whitespace, and a random one cannot pad forever.
     return {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
 
 
-def separator(fmt: Format) -> str:
-    """Between two calls: Hermes templates write a newline. In the generic format nothing: given a newline after
-    a call, smollm2 took it and was then held to a second, identical call, and so on until max_tokens; given
-    none, it ends its answer (or starts another call) right after ``</tool_call>``."""
-    return "\n" if fmt == "native" else ""
-
-
-def grammar_spec(cfg: ToolConfig, answer: dict[str, Any] | None, fmt: Format = "generic") -> str:
+def grammar_spec(cfg: ToolConfig, answer: dict[str, Any] | None) -> str:
     """The structured-output spec (workers/structured.py's ``lark`` kind) that holds the answer to ``cfg``.
     ``answer``, the request's own response format spec, shapes the text alternative under ``auto``."""
-    sep = separator(fmt)
-    calls = "calls: call" if not cfg.parallel else f"calls: call ({json.dumps(sep)} call)*" if sep else "calls: call+"
-    lines = ["%llguidance {}", "start: calls" if cfg.mode != "auto" else "start: answer | calls", calls,
-             f'call: {json.dumps(CALL_START + chr(10))} body {json.dumps(chr(10) + CALL_END)}',
-             f"body: %json {json.dumps(_call_schema(cfg.allowed()))}"]
+    syn = cfg.syntax
+    if not cfg.parallel or syn.sep is None:
+        calls = "calls: call"
+    else:
+        calls = f"calls: call ({json.dumps(syn.sep)} call)*" if syn.sep else "calls: call+"
+    call = f"call: {json.dumps(syn.start)} body {json.dumps(syn.end)}" if syn.start else "call: body"
+    lines = ["%llguidance {}", "start: calls" if cfg.mode != "auto" else "start: answer | calls", calls, call,
+             f"body: %json {json.dumps(_call_schema(cfg.allowed(), syn.args_key))}"]
     if cfg.mode == "auto":
         if answer is None:
             lines.append("answer: TEXT")
-            lines.append(r"TEXT: /[^<](.|\n)*/")  # any text that does not start a call
+            # any text that does not start a call
+            lines.append(f"TEXT: /[^{re.escape(syn.text_may_not_start)}](.|\\n)*/")
         elif answer["type"] in ("json_schema", "json_object"):
             schema = answer.get("schema", {"type": "object"})
             lines.append(f"answer: %json {json.dumps(schema)}")

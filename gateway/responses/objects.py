@@ -25,6 +25,7 @@ from gateway.api.errors import APIError
 from gateway.pipeline.choices import Choices
 from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tool_stream import ToolCallParser
+from gateway.pipeline.tools import SYNTAX
 from gateway.responses.items import new_id
 from gateway.responses.request import ResponsesRequest
 
@@ -81,6 +82,9 @@ class ResponseDraft:
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
                 "content": [] if text is None else [text_part(text)]}
 
+    def _new_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.gen.tools.syntax if self.gen.tools is not None else SYNTAX["generic"])
+
     def call_item(self, i: int, status: str) -> dict[str, Any]:
         if self.parser is None:
             raise RuntimeError("a function_call item before the answer was parsed")
@@ -92,7 +96,7 @@ class ResponseDraft:
         if self.gen.tools is None:
             return [self.message(text, status)]
         if self.parser is None:  # not streamed: the whole answer at once
-            self.parser = ToolCallParser()
+            self.parser = self._new_parser()
             self.parser.feed(text, final=True)
         self._call_ids += [new_id("fc") for _ in range(len(self.parser.tool_calls()) - len(self._call_ids))]
         if not self.parser.calls:
@@ -125,7 +129,7 @@ class ResponseDraft:
         if self.gen.tools is None:
             events += self._open_message()
         else:
-            self.parser = ToolCallParser()  # the message opens once the answer is known to be text
+            self.parser = self._new_parser()  # the message opens once the answer is known to be text
         return events
 
     def _open_message(self) -> list[str]:
