@@ -7,7 +7,6 @@ default mode, which speaks the Responses API, running a tool loop on smollm2."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from gateway.responses.objects import ResponseDraft
 from gateway.responses.request import chat_body, parse_as_chat, parse_responses
 from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
 from tests.test_responses_units import EVENTS, _choices
-from tests.test_tool_calling_smollm2 import weather_agent
+from tests.test_tool_calling_smollm2 import run_async, weather_agent
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -137,7 +136,7 @@ def test_openai_agents_default_responses_model_runs_a_tool_loop(tmp_path: Path) 
     try:
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=srv.api_key)
         agent, calls = weather_agent(OpenAIResponsesModel(model="smollm2", openai_client=client))
-        result: Any = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+        result: Any = run_async(lambda: Runner.run(agent, "What is the weather in Paris?", max_turns=4))
         assert calls == ["Paris"] and "sunny" in result.final_output.lower()
     finally:
         srv.stop()

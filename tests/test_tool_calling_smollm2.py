@@ -6,11 +6,13 @@ README's tool-calling and Responses API examples as written."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import openai
 import pydantic
@@ -22,6 +24,7 @@ from tests.test_gateway_support import REPO, Server, start_server
 pytestmark = pytest.mark.timeout(600)
 
 ASK = "What is the weather in Paris?"
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                        served_name="smollm2")
     yield srv
     srv.stop()
+
+
+def run_async(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``asyncio.run`` in a thread of its own: in the full suite the browser tests' Playwright (sync API) keeps an
+    asyncio loop running on the main thread, where asyncio.run refuses to start another."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(factory())).result()
 
 
 def weather_agent(model: Any) -> tuple[Any, list[str]]:
@@ -63,7 +73,7 @@ def test_agent_framework_tool_loop(server: Server) -> None:
             pass
         return plain.final_output, streamed.final_output
 
-    plain, streamed = asyncio.run(run())
+    plain, streamed = run_async(run)
     assert calls == ["Paris", "Paris"]  # one call a run, with the argument the question gives
     assert "sunny" in plain.lower() and plain == streamed  # the answer uses the tool's result; greedy: the same
 
