@@ -129,3 +129,15 @@ def test_prompt_logprobs_shape_on_both_routes(server: Server) -> None:
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # only the prompt's own token
     chunks = _stream(server, "/v1/chat/completions", chat_body)
     assert [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c] == [chat["prompt_logprobs"]]
+
+
+def test_prompt_logprobs_count_against_the_pending_output_bounds() -> None:
+    # A 4,000-token prompt's logprobs with 20 alternatives each arrive in one output: they must weigh what they
+    # hold, or a stalled reader of many such requests grows the gateway past every stated bound.
+    from gateway.pipeline.handle import output_bytes
+    from ipc.messages import RequestOutputMsg
+
+    plain = RequestOutputMsg("r", [1], None, 0, None, None, None)
+    scored = RequestOutputMsg("r", [1], None, 0, None, None, None, None,
+                              [(-1.0, 1, [(t, -1.0) for t in range(20)])] * 4000)
+    assert output_bytes(scored) > output_bytes(plain) + 4000 * 20 * 8

@@ -6,18 +6,23 @@ from chaos.drills.base import Drill
 from chaos.drills.bad_input import BadInput
 from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.gateway_kill import GatewayKill
+from chaos.drills.hostile_schemas import HostileSchemas
 from chaos.drills.overload import Overload
 from chaos.drills.redis_outage import RedisOutage
 from chaos.drills.rolling_restart import RollingRestart
 from chaos.drills.slow_readers import SlowReaders
 from chaos.drills.slow_steps import SlowSteps
+from chaos.drills.stalled_streams import StalledStreams
 from chaos.drills.store_trouble import StoreTrouble
 from chaos.drills.worker_faults import WorkerFreeze, WorkerKill
+from chaos.drills.worker_hijack import WorkerHijack
 
 
 def all_drills() -> list[Drill]:
+    # Issue 24's drills (hostile-schemas, stalled-streams, worker-hijack) follow the first issue's eleven.
     return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
-            StoreTrouble(), GatewayKill(), BadInput(), RollingRestart()]
+            StoreTrouble(), GatewayKill(), BadInput(), RollingRestart(), HostileSchemas(),
+            StalledStreams(), WorkerHijack()]
 
 
 def by_name() -> dict[str, Drill]:

@@ -56,6 +56,8 @@ def output_bytes(out: RequestOutputMsg) -> int:
     size = _OUTPUT_BYTES + _TOKEN_BYTES * len(out.new_token_ids)
     for _, alternatives in out.logprobs or ():
         size += _LOGPROB_BYTES + _ALTERNATIVE_BYTES * len(alternatives)
+    for _, _, alternatives in out.prompt_logprobs or ():  # a long prompt's: as much as thousands of tokens'
+        size += _LOGPROB_BYTES + _ALTERNATIVE_BYTES * len(alternatives)
     return size
 
 

@@ -1,0 +1,28 @@
+"""Issue 24's chaos drills at their --quick size, each on a deployment of its own (tiny model, loopback):
+pathological structured-output specs beside normal streams, stalled streams against the gateway's pending-output
+bounds, and a peer with another listed CURVE key trying to take over a worker's id. See ``kvgate chaos list``
+and chaos/RESULTS.md for the verdicts and what they were measured at."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos_support import assert_passed, run_quick
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_hostile_schemas_quick() -> None:
+    """About a minute: 16 streams of 1,500 tokens alone, beside the first grammar request, beside the flood."""
+    assert_passed(run_quick("hostile-schemas"))
+
+
+def test_stalled_streams_quick() -> None:
+    """About 90 s: 200 streams generate until a bound cuts them; their ledger rows land CONSUMER_STALL_S (60 s)
+    after their clients stopped reading."""
+    assert_passed(run_quick("stalled-streams"))
+
+
+def test_worker_hijack_quick() -> None:
+    """A second worker process starts (keys made in the deployment's directory), then 24 + 6 hijack attempts."""
+    assert_passed(run_quick("worker-hijack"))
