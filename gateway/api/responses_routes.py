@@ -25,7 +25,8 @@ from gateway.api.http_json import json_response, read_json
 from gateway.responses.items import ChatMessage, new_id
 from gateway.responses.objects import ResponseDraft
 from gateway.responses.request import ResponsesRequest, chat_body, parse_as_chat, parse_responses
-from gateway.responses.run import ResponsesStream, Save, run_to_end
+from gateway.pipeline.streaming import run_to_end
+from gateway.responses.run import ResponsesStream, Save
 from gateway.telemetry.tracing import RequestTrace
 from tenancy.responses_store import StoredResponse
 

@@ -103,17 +103,18 @@ def _deadline(timeout: float | None) -> Any:
     return trio.fail_after(timeout) if timeout is not None else nullcontext()
 
 
-async def complete(choices: Choices, builder: ResponseBuilder, timeout: float | None,
-                   account: Account) -> dict[str, Any]:
-    """The non-streaming path, run in the route handler itself (a disconnect cancels it)."""
-    async def emit(_: Child, __: Delta) -> None:
-        pass
+async def run_to_end(choices: Choices, timeout: float | None, account: Account) -> None:
+    """Every sequence to its end and the ledger row written (durable before any response leaves), or the failure
+    as an ``APIError``; run in the route handler itself (a disconnect cancels it). Chat, completions and the
+    Responses API build their plain answers from ``choices`` after it."""
+    async def ignore(_: Child, __: Delta) -> None:
+        return
 
     status = "cancelled"  # what the ledger says unless the request gets further
     try:
         with _deadline(timeout):
-            await follow_all(choices, emit)
-        await account.finish(choices)  # the ledger row is durable before the response leaves
+            await follow_all(choices, ignore)
+        await account.finish(choices)
     except trio.TooSlowError:
         status = "timeout"
         raise APIError(504, "the request timed out", code="timeout") from None
@@ -123,6 +124,12 @@ async def complete(choices: Choices, builder: ResponseBuilder, timeout: float | 
     finally:
         choices.release_all()
         account.end(choices, status)
+
+
+async def complete(choices: Choices, builder: ResponseBuilder, timeout: float | None,
+                   account: Account) -> dict[str, Any]:
+    """The non-streaming path of chat and completions."""
+    await run_to_end(choices, timeout, account)
     return builder.final(choices)
 
 

@@ -1,4 +1,4 @@
-"""Driving one Responses request to its end: plainly (``run_to_end``) or as a typed event stream
+"""Driving one Responses request to its end as a typed event stream (plainly: ``streaming.run_to_end``)
 (``ResponsesStream``).
 
 Both follow the chat pipeline's rules and reuse its pieces (``gateway.pipeline.streaming``): ``follow_all`` over
@@ -33,28 +33,6 @@ Save = Callable[[dict[str, Any]], Awaitable[None]]  # stores the final response 
 
 def _deadline(timeout: float | None) -> AbstractContextManager[Any]:
     return trio.fail_after(timeout) if timeout is not None else nullcontext()
-
-
-async def run_to_end(choices: Choices, timeout: float | None, account: Account) -> None:
-    """The non-streaming path, in the route handler itself (a disconnect cancels it): every sequence to its end
-    and the ledger row written, or the failure as an ``APIError``. The caller builds the response from ``choices``."""
-    async def ignore(_: Child, __: Delta) -> None:
-        return
-
-    status = "cancelled"  # what the ledger says unless the request gets further
-    try:
-        with _deadline(timeout):
-            await follow_all(choices, ignore)
-        await account.finish(choices)
-    except trio.TooSlowError:
-        status = "timeout"
-        raise APIError(504, "the request timed out", code="timeout") from None
-    except RequestFailed as e:
-        status = e.code
-        raise failure_to_api_error(e) from None
-    finally:
-        choices.release_all()
-        account.end(choices, status)
 
 
 class ResponsesStream(EventProducer):
