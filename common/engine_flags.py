@@ -61,6 +61,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("target_step_ms", float, None, "the step time the measured token budget aims at (default: 500 on a "
                                         "CPU, 100 on a GPU)", minimum=0, positive=True),
     Flag("no_prefix_caching", None, False, "no prefix cache: every prompt is computed"),
+    Flag("enforce_eager", None, False, "CUDA: no CUDA graphs; every step runs eagerly (graphs replay pure "
+                                       "decode steps, one per batch-size bucket)"),
     Flag("num_threads", int, None, "CPU: threads for the model's arithmetic (default: torch's, one per core; "
                                    "with several workers on one CPU host, give each its share)", minimum=1),
     Flag("seed", int, 0, "the engine's sampling seed for requests without one", minimum=0),
@@ -81,6 +83,7 @@ OFFLINE: Mapping[str, str] = {
     "kv_cache_memory_gib": "kv_cache_bytes",  # x 2**30
     "block_size": "block_size", "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "no_prefix_caching": "enable_prefix_caching",  # negated
+    "enforce_eager": "enforce_eager",
     "num_threads": "num_threads", "seed": "seed", "speculative_config": "speculative_config",
     "scheduling_policy": "scheduling_policy",
 }

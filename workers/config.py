@@ -26,6 +26,9 @@ class ModelConfig:
     # CPU or below fp32). The offline LLM, `kvgate worker` and `kvgate serve` default to "auto"; this engine
     # config stays "none" so engine-level tests on tiny models keep their exact fp32 oracles.
     quantization: str = "none"
+    # CUDA: no CUDA graphs, every step eager (vLLM's --enforce-eager); graphs replay pure decode steps
+    # (workers/cuda_graphs.py). Ignored on the CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in _QUANTIZATIONS:

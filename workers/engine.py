@@ -199,6 +199,9 @@ def resolve_kv_dtype(cfg: EngineConfig, model: LlamaForCausalLM, device: torch.d
     return _KV_DTYPES[cfg.model.dtype]
 
 
+MAX_GRAPH_BATCH = 512  # the largest captured decode batch; larger decode steps run eagerly
+
+
 def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) -> LLMEngine:
     """Wrap an already built model (tests use tiny random ones) in a full engine."""
     device = next(model.parameters()).device
@@ -210,6 +213,8 @@ def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) 
     bm = BlockManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
     # A lone request must always fit in the cache, so the context limit is capped by the KV capacity.
     max_model_len = min(max_len, nb * cfg.cache.block_size)
+    if device.type == "cuda" and not cfg.model.enforce_eager:
+        runner.enable_cuda_graphs(max_model_len, min(cfg.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
     log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; max_model_len %d", nb, cfg.cache.block_size,
              str(kv_dtype).removeprefix("torch."), nb * block_bytes / 2**20, max_model_len)
     return LLMEngine(runner, Scheduler(cfg.scheduler, bm), model.cfg.vocab_size, model.cfg.eos_token_ids,

@@ -37,13 +37,13 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None,
-                 scheduling_policy: str = "priority") -> None:
+                 scheduling_policy: str = "priority", enforce_eager: bool = False) -> None:
         """``speculative_config``: vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError."""
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
-            ModelConfig(model, device, dtype, max_model_len, seed, num_threads, quantization),
+            ModelConfig(model, device, dtype, max_model_len, seed, num_threads, quantization, enforce_eager),
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype, kv_cache_bytes),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config),

@@ -6,6 +6,7 @@ first, then prefill chunks, all concatenated with no padding.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +14,12 @@ import torch
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
 from kernels_cupy.kv_quant import row_bytes, row_width
 from workers import spec_verify
+from workers.cuda_graphs import DecodeGraphs, is_pure_decode
 from workers.core.outputs import PromptLogprob, RunnerOutput, ScheduledRequest, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,21 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
                            torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(c.num_hidden_layers)]
         self.sampler = Sampler(c.vocab_size, device, seed)
+        self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (enable_cuda_graphs)
+
+    def enable_cuda_graphs(self, max_model_len: int, max_batch: int) -> bool:
+        """Capture the decode step for batch sizes up to max_batch; False (logged) where the attention backend
+        is not the CuPy one (the torch reference loops over host-side lengths, which a graph would freeze)."""
+        from kernels_cupy.cupy_backend import CupyAttentionBackend
+
+        if not isinstance(self.backend, CupyAttentionBackend):
+            log.warning("CUDA graphs need the CuPy attention kernels; every step runs eagerly")
+            return False
+        backend = CupyAttentionBackend(split="always", partition_size=self.backend.partition_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, backend, self.device, max_model_len,
+                                   self.block_size, max_batch)
+        self.graphs.capture()
+        return True
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -53,8 +72,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         inputs = self.prepare(plan)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
-                            inputs.logits_indices)  # (S + R, V)
+        logits = None
+        if self.graphs is not None and is_pure_decode(inputs.meta, len(inputs.input_ids), len(inputs.logits_indices)):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # (S, V), or None: eager
+        if logits is None:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
+                                inputs.logits_indices)  # (S + R, V)
         s = len(inputs.logits_indices) - len(inputs.prompt_targets)
         sampled = spec_verify.sample_step(self.sampler, logits[:s], inputs.sampled)  # drafts verified there
         if not inputs.prompt_targets:

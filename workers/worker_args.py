@@ -26,7 +26,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     gib = a.kv_cache_memory_gib
     speculative = None if a.speculative_config is None else SpeculativeConfig.from_json(a.speculative_config)
     return EngineConfig(ModelConfig(a.model, a.device, a.dtype, a.max_model_len, a.seed, a.num_threads,
-                                    quantization=a.quantization),
+                                    quantization=a.quantization, enforce_eager=a.enforce_eager),
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     None if gib is None else int(gib * 2**30)),
                         SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative,

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The one prepared GPU check of issue 28, run by the device tool on a lent H100/H200 (or DEVICE=cpu here, a dry
+# run of the script's plumbing). Every stage has its own time limit, so a slow or hung stage costs only its
+# share; each writes one log under $OUT (at most 8 files come back), and the end prints a summary.
+#
+#   run: bash bench/gpu_session.sh   (WHL_DIR: wheels of what the device image lacks; TOK_DIR: smollm2's tokenizer)
+#   STAGES="kernels attention" bash bench/gpu_session.sh   runs a subset
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+DEVICE=${DEVICE:-cuda}
+STAGES=${STAGES:-"env graphs kernels e2e attention serve sanitizer"}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PY:-python3}
+WHL_DIR=${WHL_DIR:-.whl}  # wheels of what the device image lacks (trio, quart, pyzmq, gguf, llguidance, ...)
+TOK_DIR=${TOK_DIR:-.gpu/tok}  # smollm2's tokenizer files, for the served random-weight model
+SUMMARY=/tmp/gpu_summary.txt
+: >"$SUMMARY"
+
+stage() {  # stage NAME LIMIT_S CMD...: run CMD with a limit, log to $OUT/NAME.log, note rc and seconds
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s)"
+    timeout -k 5 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name rc=$rc in $(($(date +%s) - t0))s" | tee -a "$SUMMARY"
+    tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+env_info() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
+    nvcc --version | tail -n 2 || true
+    "$PY" - <<'PY'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import cupy
+    print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "driver", cupy.cuda.runtime.driverGetVersion())
+except Exception as e:  # noqa: BLE001 - a report, not a check
+    print("cupy missing:", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
+PY
+    lscpu | grep -E "Model name|^CPU\(s\)" || true
+}
+
+serve_check() {  # kvgate serve on the device with a random-weight smollm2-shaped model, then bench/serve.py
+    local dir=/tmp/kvgate-rnd port=8011 key i
+    rm -f /tmp/kvgate-gpu.db*  # a fresh store prints a fresh demo key
+    "$PY" bench/gpu_model_dir.py "$dir" --tokenizer-from "$TOK_DIR" || return 1
+    "$PY" -m gateway serve --model "$dir" --served-model-name rnd --device "$DEVICE" --dtype "${SERVE_DTYPE:-bfloat16}" \
+        --db /tmp/kvgate-gpu.db --port $port --log-format text >"$OUT/server.log" 2>&1 &
+    SERVER_PID=$!  # global: the EXIT trap runs after this function's locals are gone
+    trap 'kill -INT $SERVER_PID 2>/dev/null; sleep 3; pkill -9 -f kvgate-rnd' EXIT TERM
+    local pid=$SERVER_PID
+    for i in $(seq 1 120); do
+        curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "server exited"; tail -n 40 "$OUT/server.log"; return 1; }
+        sleep 1
+    done
+    key=$(grep -o 'KVGATE_API_KEY=[^ ]*' "$OUT/server.log" | head -n 1 | cut -d= -f2)
+    curl -s -m 60 "http://127.0.0.1:$port/v1/chat/completions" -H "Authorization: Bearer $key" \
+        -H 'Content-Type: application/json' \
+        -d '{"model":"rnd","messages":[{"role":"user","content":"Hello"}],"max_tokens":8,"temperature":0}'
+    echo
+    for c in ${SERVE_CS:-1 16 64}; do
+        KVGATE_API_KEY=$key "$PY" bench/serve.py --base-url "http://127.0.0.1:$port" --model rnd \
+            --num-prompts $((c == 1 ? 8 : 2 * c)) --max-concurrency $c --random-input-len 128 \
+            --random-output-len "${SERVE_OUT:-128}" --max-duration 60 --output-json "/tmp/serve_c$c.json" | grep -E \
+            "Successful|Output token throughput|Mean TTFT|Mean TPOT|errors"
+    done
+}
+
+export -f env_info serve_check
+export OUT DEVICE PY TOK_DIR SERVE_DTYPE SERVE_CS SERVE_OUT
+
+if want env; then
+    if ls "$WHL_DIR"/*.whl >/dev/null 2>&1; then
+        stage env 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site "$WHL_DIR"/*.whl
+        export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    fi
+    stage env 30 bash -c env_info
+fi
+if want graphs; then  # CUDA graphs of the decode step against eager steps
+    stage graphs "${GRAPHS_LIMIT:-50}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE tests/test_cuda_graphs.py
+fi
+if want e2e; then  # greedy tokens and determinism on the device (fp32), then tok/s against transformers (bf16)
+    stage e2e "${CHECK_LIMIT:-75}" "$PY" bench/gpu_e2e.py --device "$DEVICE" \
+        --check bench/data/gpu_expect_smollm2.json
+    stage e2e "${E2E_LIMIT:-110}" "$PY" bench/gpu_e2e.py --device "$DEVICE" --throughput \
+        --json "$OUT/e2e_throughput.json" ${E2E_ARGS:-}
+fi
+if want kernels; then  # the GPU test file; xdist spreads NVRTC compiles over the CPU cores
+    stage kernels "${KERNELS_LIMIT:-130}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE \
+        --timeout 120 -n "${XDIST:-16}" --durations 8 tests/test_kernels_gpu.py
+fi
+if want attention; then
+    stage attention 40 "$PY" bench/attention.py --batches 1,16,64 --contexts 512,4096,32768
+    stage attention 30 "$PY" bench/attention.py --batches 1,16,64 --contexts 512,4096,32768 --heads 9 \
+        --kv-heads 3 --head-dim 64
+fi
+if want serve; then
+    stage serve "${SERVE_LIMIT:-80}" bash -c serve_check
+fi
+if want sanitizer; then  # a few small cases under memcheck and racecheck (slow: every launch is instrumented)
+    for tool in memcheck racecheck; do
+        stage sanitizer 45 compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -m pytest --noconftest \
+            -p no:cacheprovider -q "tests/test_kernels_gpu.py::test_never_reads_unwritten_slots[always]" \
+            "tests/test_kernels_gpu.py::test_decode_grid[always-8-2048-smollm2-fp16]"
+    done
+fi
+echo "== summary"
+cat "$SUMMARY"
