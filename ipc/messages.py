@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 9  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 10  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
 # 5: speculative-decoding counters in Stats; 6: Refused; 7: RequestOutputMsg.error_code; 8: prompt logprobs
-# (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority
+# (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority; 10: prompt logprobs
+# travel chunk by chunk (outputs with no token carry them; a version-9 gateway would keep only the last chunk)
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -108,8 +109,9 @@ class RequestOutputMsg:
     # With error: the OpenAI error code it maps to ("context_length_exceeded": the prompt can never fit;
     # "invalid_request": its grammar cannot be compiled; "grammar_busy": no compile slot in time, retry)
     error_code: str | None = None
-    # With SamplingParams.prompt_logprobs: on the output of the first generated token, one entry per prompt
-    # token after the first
+    # With SamplingParams.prompt_logprobs: one entry per prompt token after the first, chunk by chunk as the
+    # prefill computes them (each step's output of the request carries its chunk's, an output with no token
+    # only those), in prompt order, each position once; the output of the first generated token ends them
     prompt_logprobs: list[PromptLogprob] | None = None
 
 

@@ -110,7 +110,8 @@ class ModelRunner:
                 sampled.append(s)
             if s.request.needs_prompt_logprobs:  # positions up to the last but one of the prompt
                 req, base = s.request, len(ids) - n
-                for i in range(start, min(start + n, req.num_prompt_tokens - 1)):
+                # not those sent before a preemption: the recompute gives the same bits, already delivered
+                for i in range(max(start, req.prompt_lps_sent), min(start + n, req.num_prompt_tokens - 1)):
                     prompt_rows.append(base + i - start)
                     targets.append((req.request_id, req.prompt_token_ids[i + 1]))
         max_blocks = max(-(-L // bs) for L in slens)
@@ -144,8 +145,8 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[str, int]],
     k = max(top_n.values())
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # (R, k)
     out: dict[str, list[PromptLogprob]] = {}
+    ids, values = top_i.tolist(), top_v.tolist()  # once: a tolist per row costs more than the step's rows
     for row, ((rid, _), value, rank) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks)):
         n = top_n[rid]
-        top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist()))
-        out.setdefault(rid, []).append((value, rank, top))
+        out.setdefault(rid, []).append((value, rank, list(zip(ids[row][:n], values[row][:n]))))
     return out

@@ -21,12 +21,13 @@ from typing import Any
 import zmq
 
 from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generate, GatewayToWorker, Goodbye,
-                          Hello, Refused, RequestError, RequestOutputMsg, Shutdown, StepOutputs)
+                          Hello, Refused, RequestError, RequestOutputMsg, Shutdown)
 from ipc.curve import SECRET_SUFFIX, ClientCurve, client_curve
 from ipc.sync_transport import send, worker_dealer
 from workers import step_sizing
 from workers.core.outputs import StepOutput
 from workers.engine import LLMEngine, engine_from_config
+from workers.step_frames import step_frames
 from common.logs import FORMATS, setup_logging
 from common.startup import StartupProgress
 from workers.worker_args import add_engine_args, engine_config
@@ -109,7 +110,9 @@ class Worker:
             clock.end()
         tokens = self.engine.last_num_batched_tokens
         if outs or tokens:  # a prefill chunk that sampled nothing still counts as an iteration
-            self.io.send(StepOutputs([to_msg(o) for o in outs], tokens))
+            # in frames of bounded size: a big step's encode (GIL held) and the gateway's decode stay short
+            for frame in step_frames([to_msg(o) for o in outs], tokens):
+                self.io.send(frame)
             for o in outs:
                 if o.finished:
                     self.deadlines.pop(o.request_id, None)

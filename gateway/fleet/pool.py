@@ -275,7 +275,8 @@ class WorkerPool:
 
     def _on_step(self, w: WorkerState, msg: StepOutputs) -> None:
         now = trio.current_time()
-        self.observer.iteration(w.worker_id, msg.num_batched_tokens)
+        if msg.num_batched_tokens:  # a step's further frames (workers.step_frames) say 0: one step, counted once
+            self.observer.iteration(w.worker_id, msg.num_batched_tokens)
         orphans: list[str] = []
         for out in msg.outputs:
             if out.timings is not None:  # also for requests nobody waits for: queue/prefill/decode are real

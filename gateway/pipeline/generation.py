@@ -26,7 +26,12 @@ class Delta:
     logprobs: list[TokenLogprobs] | None  # one per token in token_ids, when logprobs were asked for
     finish_reason: str | None
     index: int = 0  # the choice it belongs to
-    prompt_logprobs: list[PromptLogprob] | None = None  # on the first token's delta, when asked for
+    prompt_logprobs: list[PromptLogprob] | None = None  # all of them, on the first token's delta, when asked for
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the client: a prefill chunk's prompt logprobs, held until the prompt is complete."""
+        return not self.token_ids and self.finish_reason is None and self.prompt_logprobs is None
 
 
 @dataclass
@@ -59,7 +64,10 @@ class OutputAssembler:
         self.hit_stop_string = False  # the worker still runs the request: the caller must abort it
         self.engine_timings: EngineTimings | None = None  # from the worker's last output, when it came
         self.engine_timings_at: float | None = None  # time.monotonic() when it came
-        self.prompt_logprobs: list[PromptLogprob] | None = None  # from the worker, with the first token
+        # The worker sends them chunk by chunk as its prefill computes them (a step's output carries only its
+        # chunk's, so no frame grows with the prompt); gathered here, complete once the first token comes
+        self.prompt_logprobs: list[PromptLogprob] | None = None
+        self._prompt_lps: list[PromptLogprob] = []
 
     @property
     def finished(self) -> bool:
@@ -77,8 +85,13 @@ class OutputAssembler:
         if out.timings is not None:
             self.engine_timings, self.engine_timings_at = out.timings, time.monotonic()
         self.num_cached_tokens = out.num_cached_tokens
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+        if out.prompt_logprobs:
+            self._prompt_lps.extend(out.prompt_logprobs)
+        if not out.new_token_ids and out.finish_reason is None:
+            return Delta("", [], None, None, self.index)  # a prefill chunk: the prompt is not complete yet
+        prompt_lps = None
+        if self.prompt_logprobs is None and self._prompt_lps:
+            self.prompt_logprobs = prompt_lps = self._prompt_lps
         ids, hit = self._take_until_stop(list(out.new_token_ids))
         finish = out.finish_reason
         if hit:
@@ -93,7 +106,7 @@ class OutputAssembler:
         end = len(self.text) if finish is not None else max(self._emitted, len(self.text) - self._hold)
         text, self._emitted = self.text[self._emitted:end], end
         self.finish_reason = finish
-        return Delta(text, ids, new_logprobs, finish, self.index, out.prompt_logprobs)
+        return Delta(text, ids, new_logprobs, finish, self.index, prompt_lps)
 
     def _take_until_stop(self, ids: list[int]) -> tuple[list[int], bool]:
         """Decode ``ids``; with stop strings, token by token, so that of an output of several tokens (a

@@ -102,7 +102,9 @@ class RequestHandle:
         self.generated_tokens += len(out.new_token_ids)
         size = output_bytes(out)
         if out.finish_reason is None:
-            if self._pending_bytes + size > self._max_pending_bytes:
+            # An output that finds nothing of its stream waiting says nothing of its client: one step's output may
+            # pass the bound alone (a prefill chunk's prompt logprobs: 512 tokens with 20 alternatives, 1.3 MB)
+            if self._pending_bytes and self._pending_bytes + size > self._max_pending_bytes:
                 self._overflow(f"more than {self._max_pending_bytes >> 10} KiB of output waited for it")
                 return
             if self._budget.must_cut(self._pending_bytes, size):

@@ -1,7 +1,8 @@
 """The prompt's own logprobs in a response: vLLM's ``prompt_logprobs`` field, and ``echo`` on completions.
 
-The worker sends, with a sequence's first token, one ``(logprob, rank, top-N)`` per prompt token after the first
-(``ipc.messages.PromptLogprob``; the first token has no context, so it has none: ``null`` in both shapes).
+The worker sends one ``(logprob, rank, top-N)`` per prompt token after the first (``ipc.messages.PromptLogprob``;
+the first token has no context, so it has none: ``null`` in both shapes), chunk by chunk as its prefill computes
+them; ``OutputAssembler`` gathers them, and they are complete when the first generated token arrives.
 
 - ``prompt_logprobs`` (vLLM's shape): a list as long as the prompt, ``null`` first, then per token a map from
   token id (a string, as JSON keys are) to ``{"logprob", "rank", "decoded_token"}`` holding the prompt's token

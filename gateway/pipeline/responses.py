@@ -100,8 +100,9 @@ class ResponseBuilder:
 
     def _prompt_part(self, index: int, lps: list[PromptLogprob] | None) -> tuple[str, dict[str, Any] | None,
                                                                                  list[Any] | None]:
-        """What leads a choice: (echoed text, its logprobs, vLLM's prompt_logprobs); once per streamed choice."""
-        if index in self._prompt_done or (self.req.echo is None and self.req.prompt_logprobs is None):
+        """What leads a choice: (echoed text, its logprobs, vLLM's prompt_logprobs); once per streamed choice.
+        ``lps``: all of the prompt's (the assembler gathers the worker's chunks until the first token)."""
+        if not self._prompt_due(index):
             return "", None, None
         self._prompt_done.add(index)
         req, lps = self.req, lps or []
@@ -113,10 +114,13 @@ class ResponseBuilder:
                                                                             req.prompt_logprobs)
         return req.echo or "", echo_lp, plp
 
+    def _prompt_due(self, index: int) -> bool:
+        return index not in self._prompt_done and (self.req.echo is not None or self.req.prompt_logprobs is not None)
+
     def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
         """The chunks for ``d``: one, or none when nothing visible happened; with tools, a call's first chunk (its
         id and name) goes out on its own, as OpenAI's does, before its argument fragments."""
-        if self._with_tools and d.prompt_logprobs is None:
+        if self._with_tools and not self._prompt_due(d.index):
             return [self._chunk(c) for c in self._tool_deltas(d, self._token_logprobs(d))]
         chunk = self.delta_chunk(d)
         return [] if chunk is None else [chunk]

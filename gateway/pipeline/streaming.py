@@ -69,7 +69,9 @@ async def follow(handle: RequestHandle, asm: OutputAssembler, emit: Callable[[De
                 raise RequestFailed(out.error_code or "context_length_exceeded", out.error)
             if out.finish_reason == "abort":  # the worker gave up on it (its deadline passed)
                 raise RequestFailed("timeout", "the request timed out")
-            await emit(asm.add(out))
+            delta = asm.add(out)
+            if not delta.empty:  # a prefill chunk's prompt logprobs stay in asm until the first token
+                await emit(delta)
             if asm.finished:
                 break
 

@@ -86,7 +86,9 @@ class StepOutput:
     error: str | None = None  # set when the request could never run (a 4xx for the client)
     timings: RequestTimings | None = None  # set on the request's last output only
     error_code: str | None = None  # with error: the OpenAI error code (ipc.messages.RequestOutputMsg)
-    prompt_logprobs: list[PromptLogprob] | None = None  # on the first token's output, when asked for
+    # When asked for: those of the prompt positions this step computed (a prefill chunk's), in order; an output
+    # with no token may carry only these
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ipc.messages import PromptLogprob
 from workers.core.sampling_params import SamplingParams
 from workers.core.spec_decode import SpecState
 
@@ -64,14 +63,15 @@ class Request:
     first_token_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding: draft and acceptance EMA
-    prompt_lps: list[PromptLogprob] = field(default_factory=list)  # gathered chunk by chunk until sent
-    prompt_lps_sent: bool = False
+    # Prompt positions whose logprobs went out (each step's output carries its chunk's): a recompute after a
+    # preemption computes the rest only, so the gateway never gets a position twice
+    prompt_lps_sent: int = 0
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """Asked for and not yet delivered: every prompt position must be computed (no prefix-cache hit); a
-        recompute after preemption once they were sent does not compute them again."""
-        return self.params.prompt_logprobs is not None and not self.prompt_lps_sent
+        """Asked for and not all delivered: every prompt position must be computed (no prefix-cache hit); a
+        recompute after preemption once they were all sent does not compute them again."""
+        return self.params.prompt_logprobs is not None and self.prompt_lps_sent < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:

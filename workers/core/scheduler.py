@@ -221,8 +221,6 @@ class Scheduler:
         self.bm.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
-        if not req.prompt_lps_sent:
-            req.prompt_lps.clear()  # gathered again from the first position, not twice
         req.num_preemptions += 1
         req.preempted_times.append(self.clock())
         self.num_preemptions += 1
@@ -233,7 +231,8 @@ class Scheduler:
                            prompt_lps: Mapping[str, list[PromptLogprob]] | None = None) -> list[StepOutput]:
         """``sampled``: per request that sampled, its token, or (with a draft) the accepted draft tokens and the
         model's own token after them. ``prompt_lps``: per request that asked, the prompt logprobs of the
-        positions this step computed."""
+        positions this step computed; they go out in this step's output of the request (one of their own when
+        the chunk sampled nothing), so no output carries more than the step's token budget of them."""
         outputs = self.take_finished_unreported()
         now = self.clock()  # the step's results exist from here on
         for s in plan.scheduled:
@@ -254,18 +253,22 @@ class Scheduler:
                 spec_decode.update_acceptance(req.spec, k, accepted)
             else:
                 req.num_computed_tokens += s.num_new_tokens
-            if prompt_lps and req.request_id in prompt_lps:
-                req.prompt_lps.extend(prompt_lps[req.request_id])
+            chunk = prompt_lps.get(req.request_id) if prompt_lps else None
+            if chunk is not None:
+                req.prompt_lps_sent += len(chunk)
             self.bm.cache_full_blocks(req)
             if samples and not req.output_token_ids:  # the prompt is done, counted once
                 self.prompt_tokens_total += req.num_prompt_tokens
-            if not samples:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            outputs.append(self._append(req, toks, now))
+            if samples:
+                outputs.append(self._append(req, toks, now, chunk))
+            elif chunk:  # a prefill chunk that did not reach the end of the prompt: only its prompt logprobs
+                outputs.append(StepOutput(req.request_id, [], None, req.num_cached_tokens, prompt_logprobs=chunk))
         return outputs
 
-    def _append(self, req: Request, toks: list[SampledToken], now: float) -> StepOutput:
-        """Append the step's tokens until one finishes the request (the rest of an accepted run is dropped)."""
+    def _append(self, req: Request, toks: list[SampledToken], now: float,
+                prompt_lps: list[PromptLogprob] | None) -> StepOutput:
+        """Append the step's tokens until one finishes the request (the rest of an accepted run is dropped);
+        ``prompt_lps``: those of the prompt chunk this step computed (its last), when asked for."""
         if req.first_token_time is None:
             req.first_token_time = now
         new: list[int] = []
@@ -282,9 +285,6 @@ class Scheduler:
                 self._finish(req, status)
                 break
         timings = _timings(req, now) if status is not None else None
-        prompt_lps = None
-        if req.needs_prompt_logprobs:  # the prompt is complete once its first token is sampled
-            prompt_lps, req.prompt_lps, req.prompt_lps_sent = req.prompt_lps, [], True
         return StepOutput(req.request_id, new, req.status.finish_reason, req.num_cached_tokens, lps or None, None,
                           timings, prompt_logprobs=prompt_lps)
 
