@@ -57,8 +57,9 @@ def _limit_args(p: argparse._ActionsContainer) -> None:
     """Per-request and per-worker bounds, liveness timeouts, SSE and CORS."""
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--max-queued-requests", type=int, default=256, help="per worker, before answering 503")
-    p.add_argument("--max-queued-prompt-tokens", type=int, default=262_144, help="per worker, before 503")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="per worker, before answering 503 (the standard tier's; each tier scales it: kvgatectl tiers)")
+    p.add_argument("--max-queued-prompt-tokens", type=int, default=262_144, help="per worker, before 503 (as above)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds without any frame from a worker: frozen (its requests fail; a local one restarts)")
     p.add_argument("--step-timeout", type=float, default=300.0,

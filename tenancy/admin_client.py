@@ -13,6 +13,7 @@ from urllib.parse import quote
 import httpx
 
 from tenancy.admin_ops import AdminOpError, Json
+from tenancy.tiers import DEFAULT_TIER
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -60,8 +61,10 @@ class RemoteAdmin:
     def list_tenants(self) -> Json:
         return self._call("GET", "/tenants")
 
-    def create_tenant(self, name: str, weight: float = 1.0) -> Json:
-        return self._call("POST", "/tenants", body={"name": name, "weight": weight})
+    def create_tenant(self, name: str, weight: float = 1.0, tier: str = DEFAULT_TIER) -> Json:
+        # The default tier is left out: a gateway from before tiers refuses the field, and means the same.
+        extra = {} if tier == DEFAULT_TIER else {"tier": tier}
+        return self._call("POST", "/tenants", body={"name": name, "weight": weight, **extra})
 
     def show_tenant(self, ref: str) -> Json:
         return self._call("GET", f"/tenants/{_seg(ref)}")
@@ -77,6 +80,12 @@ class RemoteAdmin:
 
     def set_log_text(self, ref: str, on: bool) -> Json:
         return self._call("PATCH", f"/tenants/{_seg(ref)}", body={"log_text": on})
+
+    def set_tier(self, ref: str, tier: str) -> Json:
+        return self._call("PATCH", f"/tenants/{_seg(ref)}", body={"tier": tier})
+
+    def tiers(self) -> Json:
+        return self._call("GET", "/tiers")
 
     def delete_tenant(self, ref: str) -> Json:
         return self._call("DELETE", f"/tenants/{_seg(ref)}")

@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 from tenancy.admin_values import (AdminInputError, check_expiry, check_flag, check_label, check_name,
-                                  check_quota_patch, check_ref, check_weight, parse_grouping, parse_since)
+                                  check_quota_patch, check_ref, check_tier, check_weight, parse_grouping, parse_since)
 from tenancy.models import ApiKeyInfo, Quota, Tenant, UsageGroup
 from tenancy.store import TenancyStore
+from tenancy.tiers import DEFAULT_TIER, TIERS, Tier
 
 Json = dict[str, Any]
 P = ParamSpec("P")
@@ -41,12 +42,14 @@ class AdminBackend(Protocol):
     """What kvgatectl drives: a store on this host (LocalAdmin) or a gateway's admin API (RemoteAdmin)."""
 
     def list_tenants(self) -> Json: ...
-    def create_tenant(self, name: str, weight: float = 1.0) -> Json: ...
+    def create_tenant(self, name: str, weight: float = 1.0, tier: str = DEFAULT_TIER) -> Json: ...
     def show_tenant(self, ref: str) -> Json: ...
     def suspend_tenant(self, ref: str) -> Json: ...
     def resume_tenant(self, ref: str) -> Json: ...
     def update_tenant(self, ref: str, weight: float) -> Json: ...
     def set_log_text(self, ref: str, on: bool) -> Json: ...
+    def set_tier(self, ref: str, tier: str) -> Json: ...
+    def tiers(self) -> Json: ...
     def delete_tenant(self, ref: str) -> Json: ...
     def create_key(self, tenant: str, label: str = "", expires_at: float | None = None,
                    expires_in_days: float | None = None) -> Json: ...
@@ -65,7 +68,17 @@ def list_json(items: list[Json], **extra: Any) -> Json:
 
 def tenant_json(t: Tenant) -> Json:
     return {"id": t.id, "name": t.name, "status": t.status, "weight": t.weight, "created_at": t.created_at,
-            "log_text": t.log_text}
+            "log_text": t.log_text, "tier": t.tier}
+
+
+def tier_json(t: Tier) -> Json:
+    return {"name": t.name, "priority": t.priority, "capacity_share": t.capacity_share,
+            "description": t.description}
+
+
+def tiers_json() -> Json:
+    """The tier table (best first); the same on every gateway of one kvgate version."""
+    return list_json([tier_json(t) for t in TIERS])
 
 
 def key_status(k: ApiKeyInfo, now: float) -> str:
@@ -136,12 +149,13 @@ class LocalAdmin:
         return list_json([tenant_json(t) for t in self._store.list_tenants()])
 
     @_translated
-    def create_tenant(self, name: str, weight: float = 1.0) -> Json:
+    def create_tenant(self, name: str, weight: float = 1.0, tier: str = DEFAULT_TIER) -> Json:
         name = check_name(name)
         weight = check_weight(weight)
+        tier = check_tier(tier)
         if self._store.find_tenant(name) is not None:
             raise AdminOpError(409, f"tenant {name!r} already exists", code="tenant_exists", param="name")
-        return tenant_json(self._store.create_tenant(name, weight))
+        return tenant_json(self._store.create_tenant(name, weight, tier))
 
     @_translated
     def show_tenant(self, ref: str) -> Json:
@@ -168,6 +182,14 @@ class LocalAdmin:
     def set_log_text(self, ref: str, on: bool) -> Json:
         on = check_flag(on, "log_text")
         return tenant_json(self._store.set_log_text(self._tenant(ref).id, on))
+
+    @_translated
+    def set_tier(self, ref: str, tier: str) -> Json:
+        tier = check_tier(tier)
+        return tenant_json(self._store.set_tier(self._tenant(ref).id, tier))
+
+    def tiers(self) -> Json:
+        return tiers_json()
 
     @_translated
     def delete_tenant(self, ref: str) -> Json:

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 from tenancy.models import Quota, UsageGrouping, validate_tenant_name
+from tenancy.tiers import TIER_NAMES, TierName, is_tier
 
 QUOTA_FIELDS: tuple[str, ...] = tuple(f for f in Quota.__dataclass_fields__)
 _INT_QUOTA_FIELDS = ("rpm", "tpm", "max_concurrent", "token_budget", "max_tokens_per_request", "max_prompt_tokens")
@@ -56,6 +57,12 @@ def check_weight(value: object) -> float:
     if not _is_number(value) or not 0 < cast(float, value) <= MAX_WEIGHT:
         raise AdminInputError(f"'weight' must be a number in (0, {MAX_WEIGHT:g}], got {value!r}", "weight")
     return float(cast(float, value))
+
+
+def check_tier(value: object) -> TierName:
+    if not is_tier(value):
+        raise AdminInputError(f"'tier' must be one of {', '.join(TIER_NAMES)}, got {value!r}", "tier")
+    return cast(TierName, value)
 
 
 def check_flag(value: object, param: str) -> bool:

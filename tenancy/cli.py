@@ -24,6 +24,7 @@ from tenancy.admin_ops import AdminBackend, AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.db_backend import redact
 from tenancy.store import open_store
+from tenancy.tiers import DEFAULT_TIER, TierName
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the admin API's shapes).")]
 TenantArg = Annotated[str, typer.Argument(help="Tenant name or id.")]
@@ -109,12 +110,17 @@ def _wants_json(ctx: typer.Context, json_flag: bool) -> bool:
 
 # --- tenants -----------------------------------------------------------------------------------------------
 
+TierArg = Annotated[TierName, typer.Argument(help="interactive, standard or batch (see `kvgatectl tiers`).")]
+
+
 @tenant_app.command("create")
 def tenant_create(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Tenant name.")],
                   weight: Annotated[float, typer.Option(help="Fair-share scheduling weight (> 0).")] = 1.0,
+                  tier: Annotated[TierName, typer.Option(help="Its plan: interactive, standard or batch.")
+                                  ] = DEFAULT_TIER,
                   json_out: JsonFlag = False) -> None:
     """Create a tenant."""
-    _run(ctx, json_out, lambda b: b.create_tenant(name, weight), render.render_tenant)
+    _run(ctx, json_out, lambda b: b.create_tenant(name, weight, tier), render.render_tenant)
 
 
 @tenant_app.command("list")
@@ -147,6 +153,12 @@ def tenant_set_weight(ctx: typer.Context, ref: TenantArg,
                       json_out: JsonFlag = False) -> None:
     """Change a tenant's fair-share scheduling weight."""
     _run(ctx, json_out, lambda b: b.update_tenant(ref, weight), render.render_tenant)
+
+
+@tenant_app.command("set-tier")
+def tenant_set_tier(ctx: typer.Context, ref: TenantArg, tier: TierArg, json_out: JsonFlag = False) -> None:
+    """Put a tenant on a tier: its requests' engine priority and admission share (applies within a second)."""
+    _run(ctx, json_out, lambda b: b.set_tier(ref, tier), render.render_tenant)
 
 
 @tenant_app.command("set-log-text")
@@ -247,6 +259,14 @@ def quota_show(ctx: typer.Context, tenant: TenantArg,
                json_out: JsonFlag = False) -> None:
     """Show a quota row and the effective quota."""
     _run(ctx, json_out, lambda b: b.get_quota(tenant, key), render.render_quota)
+
+
+# --- tiers -------------------------------------------------------------------------------------------------
+
+@app.command("tiers")
+def tiers(ctx: typer.Context, json_out: JsonFlag = False) -> None:
+    """The tiers a tenant can be on: engine priority (lower runs sooner) and share of each worker's admission."""
+    _run(ctx, json_out, lambda b: b.tiers(), render.render_tiers)
 
 
 # --- usage -------------------------------------------------------------------------------------------------

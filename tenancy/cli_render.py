@@ -71,8 +71,8 @@ def fmt_on_off(flag: bool) -> str:
 
 
 def tenant_pairs(t: Json) -> list[tuple[str, Any]]:
-    return [("id", t["id"]), ("name", t["name"]), ("status", t["status"]), ("weight", t["weight"]),
-            ("log text", fmt_on_off(t["log_text"])), ("created", fmt_time(t["created_at"]))]
+    return [("id", t["id"]), ("name", t["name"]), ("status", t["status"]), ("tier", t.get("tier", "standard")),
+            ("weight", t["weight"]), ("log text", fmt_on_off(t["log_text"])), ("created", fmt_time(t["created_at"]))]
 
 
 def render_tenant(console: Console, t: Json) -> None:
@@ -80,10 +80,10 @@ def render_tenant(console: Console, t: Json) -> None:
 
 
 def render_tenants(console: Console, result: Json) -> None:
-    table = _table(None, "id", "name", "status", "weight", "log text", "created")
+    table = _table(None, "id", "name", "status", "tier", "weight", "log text", "created")
     for t in result["data"]:
-        _row(table, t["id"], t["name"], t["status"], t["weight"], fmt_on_off(t["log_text"]),
-             fmt_time(t["created_at"]))
+        _row(table, t["id"], t["name"], t["status"], t.get("tier", "standard"), t["weight"],
+             fmt_on_off(t["log_text"]), fmt_time(t["created_at"]))
     console.print(table if result["data"] else "no tenants")
 
 
@@ -91,6 +91,16 @@ def render_tenant_detail(console: Console, t: Json) -> None:
     render_tenant(console, t)
     render_keys(console, {"data": t["keys"]})
     _fields(console, "quota (tenant row)", [(f, t["quota"][f]) for f in QUOTA_FIELDS])
+
+
+def render_tiers(console: Console, result: Json) -> None:
+    table = _table(None, "tier", "priority", "capacity share", "what it means")
+    for t in result["data"]:
+        _row(table, t["name"], t["priority"], t["capacity_share"], t["description"])
+    console.print(table)
+    console.print("priority: where a request starts in the workers' queues (lower runs sooner; a request's own "
+                  "priority counts from it). capacity share: of each worker's admission bounds, all tiers' "
+                  "requests counted.")
 
 
 def render_deleted(console: Console, result: Json) -> None:

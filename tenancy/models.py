@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from tenancy.tiers import DEFAULT_TIER, TierName
+
 TenantStatus = Literal["active", "suspended"]
 BudgetPeriod = Literal["day", "month"]
 UsageGrouping = Literal["day", "model", "key"]
@@ -32,6 +34,7 @@ class Tenant:
     weight: float
     created_at: float
     log_text: bool = False  # log this tenant's prompt and completion text (off: the gateway never does)
+    tier: TierName = DEFAULT_TIER  # its plan's class: engine priority and admission share (tenancy/tiers.py)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class AuthResult:
     key_id: str
     weight: float
     log_text: bool = False
+    tier: TierName = DEFAULT_TIER
 
 
 @dataclass(frozen=True)

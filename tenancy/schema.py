@@ -135,6 +135,10 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         )""",
         "CREATE TABLE batch_lease (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL)",
     )),
+    # Tenant tiers (tenancy/tiers.py): every existing tenant is 'standard', whose priority (0) and admission share
+    # (the bounds as configured) are what every request had before tiers, so the upgrade changes no one's service.
+    (6, ("ALTER TABLE tenants ADD COLUMN tier TEXT NOT NULL DEFAULT 'standard' "
+         "CHECK (tier IN ('interactive', 'standard', 'batch'))",)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -20,8 +20,9 @@ from tenancy.keys import KEY_PREFIX, display_prefix, generate_key, hash_key, key
 from tenancy.models import (KEY_ID_PREFIX, TENANT_ID_PREFIX, ApiKeyInfo, AuthResult, Quota, Tenant, UsageGroup,
                             UsageGrouping, UsageRow, validate_tenant_name)
 from tenancy.server_secret import ENV_VAR, ServerSecret, load_secret
+from tenancy.tiers import DEFAULT_TIER, tier as tier_named
 
-_TENANT_COLUMNS = "id, name, status, weight, created_at, log_text"
+_TENANT_COLUMNS = "id, name, status, weight, created_at, log_text, tier"
 _KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
 _QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
                   "max_prompt_tokens", "allowed_models")
@@ -76,15 +77,16 @@ class TenancyStore:
 
     # --- tenants -------------------------------------------------------------------------------------------
 
-    def create_tenant(self, name: str, weight: float = 1.0) -> Tenant:
+    def create_tenant(self, name: str, weight: float = 1.0, tier: str = DEFAULT_TIER) -> Tenant:
         validate_tenant_name(name)
         if not weight > 0:
             raise ValueError(f"tenant weight must be > 0, got {weight}")
-        tenant = Tenant(TENANT_ID_PREFIX + secrets.token_hex(8), name, "active", float(weight), self._clock())
+        tenant = Tenant(TENANT_ID_PREFIX + secrets.token_hex(8), name, "active", float(weight), self._clock(),
+                        tier=tier_named(tier).name)
         try:
             with self._db.write() as tx:
-                tx.execute("INSERT INTO tenants (id, name, status, weight, created_at) VALUES (?, ?, ?, ?, ?)",
-                             (tenant.id, tenant.name, tenant.status, tenant.weight, tenant.created_at))
+                tx.execute("INSERT INTO tenants (id, name, status, weight, created_at, tier) VALUES (?, ?, ?, ?, ?, ?)",
+                           (tenant.id, tenant.name, tenant.status, tenant.weight, tenant.created_at, tenant.tier))
         except self._db.integrity_errors as exc:
             raise ValueError(f"tenant {name!r} already exists") from exc
         return tenant
@@ -122,6 +124,14 @@ class TenancyStore:
         tenant_id = self.get_tenant(ref).id
         with self._db.write() as tx:
             tx.execute("UPDATE tenants SET weight = ? WHERE id = ?", (float(weight), tenant_id))
+        return self.get_tenant(tenant_id)
+
+    def set_tier(self, ref: str, tier: str) -> Tenant:
+        """The tenant's plan (tenancy/tiers.py): applies to its next requests, within the auth cache's second."""
+        name = tier_named(tier).name  # ValueError for an unknown tier, before the store is touched
+        tenant_id = self.get_tenant(ref).id
+        with self._db.write() as tx:
+            tx.execute("UPDATE tenants SET tier = ? WHERE id = ?", (name, tenant_id))
         return self.get_tenant(tenant_id)
 
     def set_log_text(self, ref: str, on: bool) -> Tenant:
@@ -184,16 +194,16 @@ class TenancyStore:
         candidate = hash_key(plaintext, self._pepper)
         # Looking up by hash is safe: equality on a keyed hash leaks nothing about the plaintext.
         rows = self._read("SELECT k.key_hash, k.expires_at, k.revoked_at, t.id, t.name, t.status, k.id, t.weight, "
-                          "t.log_text FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = ?",
-                          (candidate,))
+                          "t.log_text, t.tier FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+                          "WHERE k.key_hash = ?", (candidate,))
         if not rows:
             return None
-        stored, expires_at, revoked_at, tenant_id, name, status, key_id, weight, log_text = rows[0]
+        stored, expires_at, revoked_at, tenant_id, name, status, key_id, weight, log_text, tier = rows[0]
         if not keys_match(stored, candidate) or revoked_at is not None:
             return None
         if expires_at is not None and self._clock() >= expires_at:
             return None
-        return AuthResult(tenant_id, name, status, key_id, weight, bool(log_text))
+        return AuthResult(tenant_id, name, status, key_id, weight, bool(log_text), tier)
 
     # --- quotas --------------------------------------------------------------------------------------------
 
@@ -309,4 +319,4 @@ def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -
 
 
 def _tenant(row: tuple[Any, ...]) -> Tenant:
-    return Tenant(row[0], row[1], row[2], row[3], row[4], bool(row[5]))
+    return Tenant(row[0], row[1], row[2], row[3], row[4], bool(row[5]), row[6])

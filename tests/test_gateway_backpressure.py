@@ -134,6 +134,9 @@ class _Sink:
     def request_finished(self, *args: Any) -> None:
         pass
 
+    def tier_finished(self, *args: Any) -> None:
+        pass
+
     def admitted(self, *args: Any) -> None:
         pass
 
@@ -154,7 +157,7 @@ async def test_a_cut_stream_is_billed_for_every_token_its_worker_generated() -> 
     choices = Choices.single(_Sink(), h, asm)  # type: ignore[arg-type]
     assert choices.completion_tokens == 0 and choices.generated_tokens == pushed
     sink = _Sink()
-    who: Any = SimpleNamespace(tenant_id="t", key_id="k", tenant_name="t", log_text=False)
+    who: Any = SimpleNamespace(tenant_id="t", key_id="k", tenant_name="t", log_text=False, tier="standard")
     account = RequestAccount(sink, sink, sink, who, "r", "m", 3, sink, True)  # type: ignore[arg-type]
     account.worker = "w0"
     account.end(choices, "client_too_slow")

@@ -6,9 +6,10 @@ the API and ``kvgatectl --db`` answer alike. Store calls block on SQLite's fsync
 ``on_change`` runs after every successful mutation (the gateway drops its auth/quota cache then).
 
     GET    /admin/tenants                       -> {"object": "list", "data": [tenant]}
-    POST   /admin/tenants {name, weight?}       -> tenant (201)
+    POST   /admin/tenants {name, weight?, tier?} -> tenant (201)
     GET    /admin/tenants/<ref>                 -> tenant + {"keys": [key], "quota": quota}
-    PATCH  /admin/tenants/<ref> {weight} | {log_text: bool} -> tenant (one field per request)
+    PATCH  /admin/tenants/<ref> {weight} | {log_text: bool} | {tier} -> tenant (one field per request)
+    GET    /admin/tiers                         -> {"object": "list", "data": [{name, priority, capacity_share, ...}]}
     DELETE /admin/tenants/<ref>                 -> {"id", "name", "deleted": true}
     POST   /admin/tenants/<ref>/suspend|resume  -> tenant
     GET    /admin/tenants/<ref>/keys            -> {"object": "list", "data": [key]}
@@ -35,9 +36,10 @@ from gateway.api.http_json import json_response, read_json
 from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.store import TenancyStore
+from tenancy.tiers import DEFAULT_TIER
 
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
-TENANT_FIELDS = ("weight", "log_text")  # what PATCH /admin/tenants/<ref> may change
+TENANT_FIELDS = ("weight", "log_text", "tier")  # what PATCH /admin/tenants/<ref> may change
 
 
 def op_error(e: AdminOpError) -> APIError:
@@ -99,9 +101,9 @@ class _AdminRoutes:
         return await self.call(self.ops.list_tenants)
 
     async def create_tenant(self) -> Response:
-        body = await _body(("name", "weight"))
-        return await self.call(self.ops.create_tenant, body.get("name"), body.get("weight", 1.0), mutation=True,
-                               status=201)
+        body = await _body(("name", "weight", "tier"))
+        return await self.call(self.ops.create_tenant, body.get("name"), body.get("weight", 1.0),
+                               body.get("tier", DEFAULT_TIER), mutation=True, status=201)
 
     async def show_tenant(self, ref: str) -> Response:
         return await self.call(self.ops.show_tenant, ref)
@@ -110,10 +112,15 @@ class _AdminRoutes:
         body = await _body(TENANT_FIELDS)
         if len(body) != 1:
             # One field, one store write: a request that sets two could half-apply if the second is refused.
-            raise bad_request("give exactly one of 'weight' or 'log_text'", param=None if body else "weight")
+            raise bad_request("give exactly one of 'weight', 'log_text' or 'tier'", param=None if body else "weight")
         if "log_text" in body:
             return await self.call(self.ops.set_log_text, ref, body["log_text"], mutation=True)
+        if "tier" in body:
+            return await self.call(self.ops.set_tier, ref, body["tier"], mutation=True)
         return await self.call(self.ops.update_tenant, ref, body["weight"], mutation=True)
+
+    async def tiers(self) -> Response:
+        return await self.call(self.ops.tiers)
 
     async def delete_tenant(self, ref: str) -> Response:
         return await self.call(self.ops.delete_tenant, ref, mutation=True)
@@ -170,6 +177,7 @@ ROUTES = (
     ("GET", "/tenants/<ref>/quota", "get_quota"),
     ("PUT", "/tenants/<ref>/quota", "update_quota"),
     ("GET", "/usage", "usage"),
+    ("GET", "/tiers", "tiers"),
 )
 
 

@@ -22,6 +22,7 @@ from tenancy.limiter import Scope
 from tenancy.models import AuthResult, Quota
 from tenancy.server_secret import ServerSecret
 from tenancy.store import TenancyStore
+from tenancy.tiers import DEFAULT_TIER, TierName
 
 AUTH_CACHE_ENTRIES = 100_000
 ADDRESS_ENTRIES = 10_000
@@ -39,6 +40,7 @@ class Principal:
     quota: Quota  # effective: the key's own fields over the tenant's
     scopes: tuple[Scope, ...]
     log_text: bool  # the tenant opted in to prompt/completion text in its request_finished lines
+    tier: TierName = DEFAULT_TIER  # the tenant's plan: its requests' priority and admission share (tenancy/tiers.py)
 
     def allows_model(self, model: str) -> bool:
         return self.quota.allowed_models is None or model in self.quota.allowed_models
@@ -56,7 +58,7 @@ def build_principal(auth: AuthResult, tenant_row: Quota, key_row: Quota | None, 
         scopes.append(Scope(f"key:{auth.key_id}", replace(key_row, max_prompt_tokens=None,
                                                           max_tokens_per_request=None)))
     return Principal(auth.tenant_id, auth.tenant_name, auth.key_id, auth.weight, salt, effective, tuple(scopes),
-                     auth.log_text)
+                     auth.log_text, auth.tier)
 
 
 class AddressLimiter:
@@ -159,7 +161,7 @@ class Authenticator:
             return None
         if key.expires_at is not None and time.time() >= key.expires_at:
             return None
-        auth = AuthResult(tenant.id, tenant.name, tenant.status, key.id, tenant.weight, tenant.log_text)
+        auth = AuthResult(tenant.id, tenant.name, tenant.status, key.id, tenant.weight, tenant.log_text, tenant.tier)
         if auth.tenant_status != "active":
             raise _suspended(auth)
         try:

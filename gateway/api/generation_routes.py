@@ -31,6 +31,7 @@ from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import Account, SSEBody, StreamProducer, complete, failure_to_api_error
+from gateway.pipeline.tiering import route_submission
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.telemetry.tracing import RequestTrace
 
@@ -137,16 +138,17 @@ async def submit(principal: Principal, req: GenerationRequest, request_id: str,
     state = app_state()
     cfg, tok, pool, ten = state.config, state.tokenizer, state.pool, state.tenancy
     g.admitted = True  # from here the request's account logs its end
+    sub = route_submission(principal.tier, req.priority, cfg.engine.values.get("scheduling_policy"))
     # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
-                             len(req.prompt_ids), rt, req.stream,
+                             len(req.prompt_ids), rt, req.stream, tier=sub.tier,
                              prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None)
     choices = Choices(pool, request_id, req.n, req.best_of)
     timeout = cfg.timing.request_timeout
     try:
         with rt.phase("queue") as span:
             await submit_all(pool, choices, req, tok, principal.cache_salt, unix_deadline(timeout), principal.weight,
-                             rt.context_for(span))
+                             rt.context_for(span), tier=sub.tier, priority=sub.priority)
     except BaseException as e:
         choices.release_all()  # those already queued are aborted on their workers
         account.end(choices, "not_submitted")  # gives the reservation back; no ledger row: nothing ran

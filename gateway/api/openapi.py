@@ -18,6 +18,7 @@ from quart import Response
 from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
 from gateway.pipeline.protocol import MAX_N
+from tenancy.tiers import TIER_NAMES
 
 Json = dict[str, Any]
 
@@ -31,6 +32,7 @@ _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
+_TIER = {"type": "string", "enum": list(TIER_NAMES)}
 _OBJECT = {"type": "object"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
@@ -83,7 +85,8 @@ _COMMON = {
     "n": _N, "user": _STR,
     "priority": {"type": "integer", "minimum": -(2**31 - 1), "maximum": 2**31 - 1, "default": 0,
                  "description": "vLLM's: lower runs sooner (workers under --scheduling-policy priority, the default; "
-                                "fcfs refuses values other than 0)"},
+                                "fcfs refuses values other than 0); counted from the tenant's tier's priority: "
+                                "it may place a request later, never earlier (a negative value counts as 0)"},
     "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": _BOOL}},
     **_SAMPLING,
     # structured outputs (gateway/pipeline/response_format.py): at most one of these four
@@ -176,11 +179,11 @@ def _api_paths(model: Json) -> Json:
             "get": _op("List tenants", ADMIN_AUTH),
             "post": _op("Create a tenant", ADMIN_AUTH, ok="201",
                         body=_body(_fields(("name",), name=_STR, weight={"type": "number", "minimum": 0,
-                                                                         "exclusiveMinimum": True})))},
+                                                                         "exclusiveMinimum": True}, tier=_TIER)))},
         "/admin/tenants/{ref}": {
             "get": _op("Show a tenant with its keys and quota", ADMIN_AUTH, params=[ref]),
-            "patch": _op("Change a tenant's weight or log_text (one field)", ADMIN_AUTH, params=[ref],
-                         body=_body(_fields(weight=_NUM, log_text=_BOOL))),
+            "patch": _op("Change a tenant's weight, log_text or tier (one field)", ADMIN_AUTH, params=[ref],
+                         body=_body(_fields(weight=_NUM, log_text=_BOOL, tier=_TIER))),
             "delete": _op("Delete a tenant (its usage rows stay)", ADMIN_AUTH, params=[ref])},
         "/admin/tenants/{ref}/suspend": {"post": _op("Suspend a tenant", ADMIN_AUTH, params=[ref],
                                                      body=_body(_fields(), required=False))},
@@ -198,6 +201,7 @@ def _api_paths(model: Json) -> Json:
         "/admin/keys/{key_id}/revoke": {"post": _op("Revoke a key", ADMIN_AUTH, params=[key],
                                                     body=_body(_fields(), required=False))},
         "/admin/usage": {"get": _op("Usage totals", ADMIN_AUTH, params=[_param("tenant", "query"), *since_by])},
+        "/admin/tiers": {"get": _op("The tiers a tenant can be on: priority and capacity share", ADMIN_AUTH)},
         "/admin/workers": {"get": _op("Live workers: Hello and last Stats", ADMIN_AUTH)},
         "/admin/workers/{worker_id}/drain": {"post": _op(
             "Drain a worker: no new requests, it finishes its own and is restarted", ADMIN_AUTH, ok="202",

@@ -33,6 +33,7 @@ from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import complete, failure_to_api_error
+from gateway.pipeline.tiering import line_submission
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.telemetry.tracing import RequestTrace, Tracing
@@ -219,14 +220,16 @@ class LineRunner:
             p.quota.settle(line.request_id, 0)
             return None
         capture = _Capture()
+        sub = line_submission(principal.tier, req.priority, p.priority)  # the batch tier, whatever the tenant's
         account = RequestAccount(p.quota, capture, p.metrics, principal, line.request_id, p.model,
-                                 len(req.prompt_ids), rt, False,
+                                 len(req.prompt_ids), rt, False, tier=sub.tier,
                                  prompt_text=p.tokenizer.decode(req.prompt_ids) if principal.log_text else None)
         choices = Choices(p.pool, line.request_id, req.n, req.best_of)
         try:
             with rt.phase("queue") as span:
                 await submit_all(p.pool, choices, req, p.tokenizer, principal.cache_salt,
-                                 unix_deadline(p.request_timeout), principal.weight, rt.context_for(span))
+                                 unix_deadline(p.request_timeout), principal.weight, rt.context_for(span),
+                                 tier=sub.tier, priority=sub.priority)
         except BaseException as e:
             choices.release_all()  # those already queued are aborted on their workers
             account.end(choices, "not_submitted")

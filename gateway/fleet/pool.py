@@ -27,17 +27,18 @@ from collections.abc import Callable
 import trio
 
 from gateway.config import AdmissionConfig, TimingConfig
-from gateway.api.errors import unavailable
+from gateway.api.errors import APIError, unavailable
 from gateway.pipeline.handle import PendingBudget, RequestFailed, RequestHandle
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
-from gateway.fleet.routing import Placement, Router, prefix_keys
+from gateway.fleet.routing import Placement, Router, WorkerLoad, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, Generate, Goodbye, Hello, Refused, RequestError, Shutdown, Stats, StepOutputs,
                           WorkerToGateway)
 from ipc.sampling import SamplingParams
 from ipc.transport import PeerUnreachable, TrioZmqSocket, router_recv_from, router_try_send
+from tenancy.tiers import BASE_SHARE, DEFAULT_TIER, tier as tier_named
 
 log = logging.getLogger("kvgate.gateway.pool")
 
@@ -132,18 +133,20 @@ class WorkerPool:
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
                      trace_context: dict[str, str] | None = None, near: str | None = None,
-                     priority: int = 0) -> RequestHandle:
+                     priority: int = 0, tier: str = DEFAULT_TIER) -> RequestHandle:
         """Pick a worker and queue the request for it (``near``: the worker of the same request's first
-        sequence). Raises APIError(503) when no worker can take it."""
+        sequence; ``tier``: the class whose share of the admission bounds it may fill). Raises APIError(503) when
+        no worker can take it, APIError(429) when only the headroom kept for higher tiers could."""
         await trio.lowlevel.checkpoint()
         open_ = [w.load() for w in self.workers.values() if not w.draining]  # a draining worker takes nothing new
         if not open_:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
         keys = prefix_keys(cache_salt, prompt_ids)
         tenant = cache_salt or ""  # the workers' fair queues share by salt (one a tenant): so does the router
-        wid = self.router.choose(open_, keys, len(prompt_ids), Placement(tenant, weight, near))
+        who = Placement(tenant, weight, near, tier_named(tier).capacity_share)
+        wid = self.router.choose(open_, keys, len(prompt_ids), who)
         if wid is None:
-            raise unavailable("all workers are at capacity; retry later", self.retry_after())
+            raise self._refusal(open_, len(prompt_ids), who, tier)
         w = self.workers[wid]
         msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None, priority)
         try:
@@ -155,6 +158,22 @@ class WorkerPool:
         w.hold(handle)
         self.router.record(keys, wid)
         return handle
+
+    def _refusal(self, loads: list[WorkerLoad], prompt_len: int, who: Placement, tier: str) -> APIError:
+        retry_after = self.retry_after()
+        if who.share < BASE_SHARE:
+            # Per tier: the time until enough requests end on the likeliest worker to bring it under this tier's
+            # bounds (a lower tier's are lower, so it is told to wait longer).
+            eta = min(self.router.over_share(w, who.share) * self.workers[w.worker_id].slot_eta() for w in loads)
+            retry_after = max(retry_after, eta)
+        if self.router.reserved(loads, prompt_len, who):
+            err = APIError(429, f"the {tier} tier may fill {who.share:.0%} of each worker's admission bounds and "
+                                "that is in use; the rest is kept for higher tiers. Retry later",
+                           code="tier_capacity_exceeded", retry_after=retry_after)
+        else:
+            err = unavailable("all workers are at capacity; retry later", retry_after)
+        self.observer.refused(tier, err.code or "refused")
+        return err
 
     def release(self, handle: RequestHandle) -> None:
         """The consumer is done with ``handle``; abort it on its worker unless it finished there. Sync and

@@ -21,16 +21,24 @@ waiting on every worker, with room there for its weight to act; the router sees 
   worker full of one tenant's queue gives the other tenants' weights nothing to act on and every freed slot goes
   to whoever retries first: weights 3:1 got 0.60-0.63 / 0.37-0.40. A tenant over its share gets in only below
   the bounds, so a worker past them holds tenants under their shares, whose requests drain it back.
+- Tiers: a request's tier (``tenancy/tiers.py``) scales both bounds and the share rule's ceiling by its capacity
+  share (``Placement.share``), counting every request on the worker whatever its tier: a batch request is
+  refused once the worker holds half the bounds, a standard one at the bounds (share 1: as before tiers), an
+  interactive one 25% past them. The gap between a tier's bounds and the next higher tier's is headroom only the
+  higher ones can fill. ``reserved`` tells a refusal by a tier's share below the bounds as configured (a 429 of
+  its tier) from a refusal at those bounds (a 503, as before tiers).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.config import AdmissionConfig
+from tenancy.tiers import BASE_SHARE
 
 # Prefix lengths (tokens) whose hashes key the affinity map, longest first: a long shared prefix (a system
 # prompt, a document) matches at 1024 or 256; a short one at 64. Shorter prompts are not worth steering.
@@ -88,11 +96,12 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class Placement:
     """Who asks for a worker: the tenant (cache salt) and its weight; ``near``: the worker of the same request's
-    first sequence, if this is a later one."""
+    first sequence, if this is a later one; ``share``: its tier's capacity share of the admission bounds."""
 
     tenant: str = ""
     weight: float = 1.0
     near: str | None = None
+    share: float = 1.0
 
 
 def prefix_keys(cache_salt: str | None, prompt_ids: Sequence[int]) -> list[bytes]:
@@ -106,7 +115,7 @@ def prefix_keys(cache_salt: str | None, prompt_ids: Sequence[int]) -> list[bytes
     return keys
 
 
-def _fits(w: WorkerLoad, prompt_len: int, max_requests: int, max_prompt_tokens: int) -> bool:
+def _fits(w: WorkerLoad, prompt_len: int, max_requests: float, max_prompt_tokens: float) -> bool:
     # A prompt larger than the token bound alone is still admitted to an idle worker: the bound limits
     # queueing, it must not make big (but valid) prompts impossible.
     fits_tokens = w.prompt_tokens + prompt_len <= max_prompt_tokens or w.requests == 0
@@ -121,15 +130,29 @@ class Router:
         self._affinity: OrderedDict[bytes, str] = OrderedDict()  # LRU: prefix hash -> worker id
 
     def can_admit(self, w: WorkerLoad, prompt_len: int, who: Placement = Placement()) -> bool:
-        a = self.admission
-        if _fits(w, prompt_len, a.max_requests, a.max_prompt_tokens):
+        # The tier's bounds: floats, so that a small share of small bounds still admits to an idle worker.
+        max_requests = who.share * self.admission.max_requests
+        max_tokens = who.share * self.admission.max_prompt_tokens
+        if _fits(w, prompt_len, max_requests, max_tokens):
             return True
         # Under its share of both bounds (a lone tenant's share is all of them: it never gets past them).
         t, tenant = w.tenants, who.tenant
         share = t.share(tenant, who.weight)
-        under_share = (t.held(tenant) < share * a.max_requests
-                       and t.held_tokens(tenant) + prompt_len <= share * a.max_prompt_tokens)
-        return under_share and _fits(w, prompt_len, 2 * a.max_requests, 2 * a.max_prompt_tokens)
+        under_share = (t.held(tenant) < share * max_requests
+                       and t.held_tokens(tenant) + prompt_len <= share * max_tokens)
+        return under_share and _fits(w, prompt_len, 2 * max_requests, 2 * max_tokens)
+
+    def reserved(self, workers: Sequence[WorkerLoad], prompt_len: int, who: Placement) -> bool:
+        """Whether a request no worker admits at its tier's share would get in at the bounds as configured (the
+        standard tier's): it was kept out of headroom reserved for higher tiers (a 429 of its tier), not out of
+        a full fleet (a 503, as before tiers; interactive's headroom past the bounds is extra)."""
+        base = Placement(who.tenant, who.weight, who.near, BASE_SHARE)
+        return who.share < BASE_SHARE and any(self.can_admit(w, prompt_len, base) for w in workers)
+
+    def over_share(self, w: WorkerLoad, share: float) -> int:
+        """How many of ``w``'s requests must end before one more of a tier with ``share`` fits its bounds (at
+        least 1: a refusal by prompt tokens waits for one to end too)."""
+        return max(1, w.requests + 1 - math.ceil(share * self.admission.max_requests))
 
     def choose(self, workers: Sequence[WorkerLoad], keys: Sequence[bytes], prompt_len: int,
                who: Placement = Placement()) -> str | None:

@@ -23,6 +23,7 @@ class PoolObserver(Protocol):
     def iteration(self, worker_id: str, num_batched_tokens: int) -> None: ...
     def inter_token(self, worker_id: str, seconds: float) -> None: ...
     def engine_finished(self, worker_id: str, timings: EngineTimings) -> None: ...
+    def refused(self, tier: str, reason: str) -> None: ...  # ``submit`` found no worker for a request of ``tier``
 
 
 class NoObserver:
@@ -33,6 +34,9 @@ class NoObserver:
         pass
 
     def engine_finished(self, worker_id: str, timings: EngineTimings) -> None:
+        pass
+
+    def refused(self, tier: str, reason: str) -> None:
         pass
 
 

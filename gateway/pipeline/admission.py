@@ -167,8 +167,9 @@ class RequestAccount:
 
     def __init__(self, gate: QuotaGate, ledger: Ledger, metrics: GatewayMetrics, principal: Principal,
                  request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool, *,
-                 prompt_text: str | None = None) -> None:
+                 prompt_text: str | None = None, tier: str | None = None) -> None:
         self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
+        self.tier = tier or principal.tier  # the class it was submitted as (a Batch API line's is batch)
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         self._prompt_text = prompt_text  # only logged when the tenant opted in (principal.log_text)
         self._trace = trace
@@ -219,6 +220,8 @@ class RequestAccount:
             text = _Text(self._prompt_text, texts if len(texts) > 1 else "".join(texts))
         _log_finished(row, text)
         self._metrics.request_finished(row, self._principal.tenant_name, self.worker, choices.n, choices.best_of)
+        if self.worker is not None:
+            self._metrics.tier_finished(self.tier, row, [c.asm.engine_timings for c in choices.children])
         self._trace.request_ended(row, choices, self.worker)
 
 

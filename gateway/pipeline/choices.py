@@ -30,6 +30,7 @@ from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import EngineTimings
 from ipc.sampling import SamplingParams
+from tenancy.tiers import DEFAULT_TIER
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import WorkerPool
@@ -151,11 +152,14 @@ class Choices:
 
 async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest, tok: GatewayTokenizer,
                      cache_salt: str | None, deadline: float | None, weight: float,
-                     trace_context: dict[str, str] | None) -> None:
+                     trace_context: dict[str, str] | None, *, tier: str = DEFAULT_TIER,
+                     priority: int | None = None) -> None:
     """Queue one worker request per sequence, one after the other (the first one's prefix affinity then draws the
     rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
-    Raises what ``pool.submit`` raises; the caller's ``release_all`` aborts those queued."""
+    ``tier``: the class admitted (``tenancy/tiers.py``); ``priority``: what the workers get (None: the request's
+    own, ``gateway.pipeline.tiering``). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued."""
     for i in range(choices.best_of):
         handle = await pool.submit(choices.child_id(i), req.prompt_ids, child_sampling(req.sampling, i), cache_salt,
-                                   deadline, weight, trace_context, near=choices.worker_id, priority=req.priority)
+                                   deadline, weight, trace_context, near=choices.worker_id,
+                                   priority=req.priority if priority is None else priority, tier=tier)
         choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, i)))

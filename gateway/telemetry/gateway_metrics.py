@@ -8,10 +8,13 @@ templates (never raw paths: bounded cardinality), reasons and worker ids. No lab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ipc.messages import EngineTimings
 from tenancy.models import UsageRow
+from tenancy.tiers import TIER_NAMES
 
 # The *_created series double the exposition, and no vLLM dashboard reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -64,6 +67,29 @@ class GatewayMetrics:
         self.restarts = Counter("kvgate:worker_restarts", "Worker processes restarted by the supervisor.",
                                 ["model_name", "worker"], registry=r)
         self._engine_histograms(labels)
+        self._tier_metrics()
+
+    def _tier_metrics(self) -> None:
+        """Per tier (tenancy/tiers.py; a Batch API line counts as batch), each with its series from the start."""
+        r = self.registry
+        self.tier_requests = Counter("kvgate:tier_requests", "Requests that reached a worker, by tier and status.",
+                                     ["tier", "status"], registry=r)
+        self.tier_refusals = Counter("kvgate:tier_refusals", "Requests no worker was given, by tier and reason "
+                                     "(tier_capacity_exceeded: kept out of the headroom of higher tiers, a 429; "
+                                     "no_capacity: every worker full, a 503).", ["tier", "reason"], registry=r)
+        # TTFT's buckets for both: an interactive tier's queue time is milliseconds, and must be seen as such.
+        self.tier_queue_time = Histogram("kvgate:tier_queue_time_seconds", "Time a request's first sequence "
+                                         "waited in its worker's queue before it first ran, by tier.", ["tier"],
+                                         buckets=TTFT_BUCKETS, registry=r)
+        self.tier_ttft = Histogram("kvgate:tier_time_to_first_token_seconds", "Time to first token as the "
+                                   "gateway sees it, by tier.", ["tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.tier_preemptions = Counter("kvgate:tier_preemptions", "Preemptions of requests' sequences on their "
+                                        "workers, by tier (from the engine timings of each finished sequence).",
+                                        ["tier"], registry=r)
+        for name in TIER_NAMES:
+            self.tier_queue_time.labels(name)
+            self.tier_ttft.labels(name)
+            self.tier_preemptions.labels(name)
 
     def _engine_histograms(self, labels: list[str]) -> None:
         """Measured by the worker's engine (queue, prefill, decode, iterations) or between its outputs as they
@@ -106,6 +132,22 @@ class GatewayMetrics:
         if t.first_token is not None:
             self.prefill_time.labels(*w).observe(t.first_token - t.scheduled)
             self.decode_time.labels(*w).observe(t.finished - t.first_token)
+
+    def refused(self, tier: str, reason: str) -> None:
+        self.tier_refusals.labels(tier, reason).inc()
+
+    def tier_finished(self, tier: str, row: UsageRow, timings: Sequence[EngineTimings | None]) -> None:
+        """A request that reached a worker ended (``timings``: each sequence's, None where none came back: a
+        sequence cut before its end)."""
+        self.tier_requests.labels(tier, row.status).inc()
+        if row.ttft_ms is not None:
+            self.tier_ttft.labels(tier).observe(row.ttft_ms / 1000.0)
+        first = timings[0] if timings else None
+        if first is not None:
+            self.tier_queue_time.labels(tier).observe(first.finished if first.scheduled is None else first.scheduled)
+        preempted = sum(len(t.preempted) for t in timings if t is not None)
+        if preempted:
+            self.tier_preemptions.labels(tier).inc(preempted)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
