@@ -115,7 +115,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     from common.engine_flags import given
     from gateway.config import (AdmissionConfig, BatchConfig, EngineArgs, GatewayConfig, ObservabilityConfig,
                                 TenancyConfig, TimingConfig)
-    from gateway.fleet.worker_auth import WorkerSecurity
+    from gateway.base.worker_security import WorkerSecurity
 
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port, workers=a.workers,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import engine_flags
-from gateway.fleet.worker_auth import WorkerSecurity
+from gateway.base.worker_security import WorkerSecurity
 
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 

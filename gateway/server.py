@@ -30,7 +30,7 @@ from gateway.config import GatewayConfig, TenancyConfig
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.pipeline.ledger import UsageLedger
 from gateway.fleet.pool import WorkerPool
-from gateway.state import GatewayState, Tenancy
+from gateway.api.state import GatewayState, Tenancy
 from gateway.fleet.supervisor import Supervisor
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.telemetry.tracing import Tracing

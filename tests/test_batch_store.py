@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.batches import runner as runner_mod
 from gateway.batches.jsonl import BatchFileError, parse_batch_file
 from gateway.batches.line import BATCH_PRIORITY, Line, Outcome, batch_priority, prepared_body

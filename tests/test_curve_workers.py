@@ -17,8 +17,9 @@ import httpx
 import pytest
 import zmq
 
+from gateway.base.worker_security import WorkerSecurity
 from gateway.config import GatewayConfig
-from gateway.fleet.worker_auth import WorkerKeyring, WorkerSecurity
+from gateway.fleet.worker_auth import WorkerKeyring
 from ipc.codec import decode, encode
 from ipc.curve import ClientCurve, KeyPair, apply_client, is_local_endpoint, load_key_pair, load_public_key
 from ipc.messages import PROTOCOL_VERSION, Hello, Refused

@@ -17,7 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from gateway.api.admin import create_admin_blueprint
-from gateway.api.errors import APIError, error_body
+from gateway.base.errors import APIError, error_body
 from tenancy.models import UsageRow
 from tenancy.store import TenancyStore
 

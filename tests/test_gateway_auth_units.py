@@ -1,5 +1,5 @@
-"""gateway.api.auth without a server: how a key's own quota combines with its tenant's, and the per-address
-bucket for failed authentications (fake clock)."""
+"""gateway.api.auth and gateway.base.principal without a server: how a key's own quota combines with its tenant's,
+and the per-address bucket for failed authentications (fake clock)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.api.auth import AddressLimiter, Authenticator, build_principal
+from gateway.api.auth import AddressLimiter, Authenticator
+from gateway.base.principal import build_principal
 from tenancy.limiter import Limiter
 from tenancy.models import AuthResult, Quota
 from tenancy.server_secret import ServerSecret

@@ -14,7 +14,7 @@ from gateway.config import AdmissionConfig, TimingConfig
 from gateway.pipeline.admission import RequestAccount
 from gateway.pipeline.choices import Choices
 from gateway.pipeline.generation import OutputAssembler
-from gateway.pipeline.handle import (CUTTABLE_BYTES, MAX_PENDING_BYTES, PendingBudget, RequestFailed, RequestHandle,
+from gateway.base.handle import (CUTTABLE_BYTES, MAX_PENDING_BYTES, PendingBudget, RequestFailed, RequestHandle,
                                      output_bytes)
 from gateway.fleet.pool import WorkerPool
 from gateway.pipeline.streaming import failure_to_api_error

@@ -21,11 +21,11 @@ import openai
 import pytest
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed, RequestHandle
 from gateway.pipeline.admission import QuotaGate
 from gateway.pipeline.choices import Child, Choices, child_sampling, child_seed
 from gateway.pipeline.generation import Delta, OutputAssembler
-from gateway.pipeline.handle import RequestFailed, RequestHandle
 from gateway.pipeline.protocol import MAX_N, parse_chat, parse_completion
 from gateway.pipeline.streaming import follow_all
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir

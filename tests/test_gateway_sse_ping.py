@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import trio
 
+from gateway.base.handle import RequestHandle
 from gateway.pipeline.generation import Delta, OutputAssembler
-from gateway.pipeline.handle import RequestHandle
 from gateway.pipeline.streaming import follow
 from tests.test_gateway_units import _FakeTok, _out
 
@@ -46,7 +46,7 @@ async def test_a_request_the_worker_refused_fails_with_the_workers_error_code(co
     """The worker says which error a request that could never run is (protocol 7); a worker of before sends none,
     which was always a prompt too long. A grammar it cannot compile is the client's 400, not a context-length one;
     no compile slot in time is a 503 to retry."""
-    from gateway.pipeline.handle import RequestFailed
+    from gateway.base.handle import RequestFailed
     from gateway.pipeline.streaming import failure_to_api_error
     from ipc.messages import RequestOutputMsg
 

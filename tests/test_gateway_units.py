@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AdmissionConfig
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.generation import OutputAssembler
 from gateway.pipeline.protocol import parse_chat, parse_completion
 from gateway.fleet.routing import Router, TenantCounts, WorkerLoad, prefix_keys

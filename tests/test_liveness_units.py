@@ -14,7 +14,7 @@ import zmq
 
 from gateway.pipeline.choices import Choices
 from gateway.pipeline.generation import Delta
-from gateway.pipeline.handle import RequestHandle
+from gateway.base.handle import RequestHandle
 from gateway.pipeline.streaming import DONE, StreamProducer
 from gateway.fleet.worker_link import coalesce, open_outbox, run_sender
 from ipc.codec import decode

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.protocol import parse_chat, parse_completion
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from tests.test_determinism import _tiny, drain, engine
@@ -134,7 +134,7 @@ def test_prompt_logprobs_shape_on_both_routes(server: Server) -> None:
 def test_prompt_logprobs_count_against_the_pending_output_bounds() -> None:
     # A 4,000-token prompt's logprobs with 20 alternatives each arrive in one output: they must weigh what they
     # hold, or a stalled reader of many such requests grows the gateway past every stated bound.
-    from gateway.pipeline.handle import output_bytes
+    from gateway.base.handle import output_bytes
     from ipc.messages import RequestOutputMsg
 
     plain = RequestOutputMsg("r", [1], None, 0, None, None, None)

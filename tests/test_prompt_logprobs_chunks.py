@@ -9,8 +9,8 @@ import pytest
 import torch
 import trio
 
+from gateway.base.handle import RequestHandle, output_bytes
 from gateway.pipeline.generation import OutputAssembler
-from gateway.pipeline.handle import RequestHandle, output_bytes
 from gateway.pipeline.streaming import follow
 from ipc.codec import decode, encode
 from ipc.messages import PromptLogprob, RequestOutputMsg, StepOutputs

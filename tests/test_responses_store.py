@@ -14,7 +14,7 @@ import openai
 import pytest
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.cli import add_serve_parser, config_from_args
 from gateway.config import TenancyConfig
 from gateway.responses.stored import StoredResponses

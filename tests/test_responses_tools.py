@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.responses import Response as SDKResponse
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.protocol import parse_chat
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.responses.objects import ResponseDraft

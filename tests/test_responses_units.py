@@ -12,10 +12,10 @@ import pytest
 from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestHandle
 from gateway.pipeline.choices import Child, Choices
 from gateway.pipeline.generation import OutputAssembler
-from gateway.pipeline.handle import RequestHandle
 from gateway.pipeline.protocol import parse_chat
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.responses.objects import ResponseDraft

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.response_format import structured_spec
 from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
 

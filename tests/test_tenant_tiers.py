@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.fleet.pool import WorkerPool
 from gateway.fleet.routing import Placement, Router, TenantCounts, WorkerLoad

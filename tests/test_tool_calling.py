@@ -13,7 +13,7 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.protocol import parse_chat
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.pipeline.tool_stream import JsonScanner, ToolCallParser

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.fleet.pool import WorkerPool
 from gateway.fleet.worker_link import Outgoing, coalesce
-from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.streaming import failure_to_api_error
 from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, Generate, Goodbye, Hello, RequestOutputMsg, Shutdown,
                           StepOutputs)

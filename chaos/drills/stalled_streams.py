@@ -1,7 +1,7 @@
 """Stalled streams: a thousand streaming clients that read their response head and then never read again.
 
 Each client is a raw socket with a small receive buffer: its events back up through TCP into the gateway while
-its worker goes on generating. What the gateway holds for them is bounded (``gateway/pipeline/handle.py``) by
+its worker goes on generating. What the gateway holds for them is bounded (``gateway/base/handle.py``) by
 ``MAX_PENDING_BYTES`` (1 MiB) of untaken output per stream and the ``PendingBudget`` of all streams together
 (256 MiB; past it a stream holding over ``CUTTABLE_BYTES``, 16 KiB, is cut), both enforced at a cut that aborts
 the stream on its worker; and by ``CONSUMER_STALL_S`` (60 s, ``gateway/pipeline/streaming.py``), after which a
@@ -40,7 +40,7 @@ from chaos.procs import RssWatch
 from chaos.rawhttp import build
 from chaos.target import still_serves
 from chaos.verdict import Check, DrillResult, at_most, check, equal, skipped
-from gateway.pipeline.handle import CUTTABLE_BYTES, MAX_GATEWAY_PENDING_BYTES, MAX_PENDING_BYTES, output_bytes
+from gateway.base.handle import CUTTABLE_BYTES, MAX_GATEWAY_PENDING_BYTES, MAX_PENDING_BYTES, output_bytes
 from ipc.messages import RequestOutputMsg
 
 RCVBUF = 2048  # the kernel doubles it: a few events fill it, so backpressure reaches the gateway at once

@@ -1,2 +1,3 @@
 """The HTTP API: ``create_app`` composes the route modules (OpenAI, admin, browser pages, OpenAPI) over one
-``GatewayState``; shared HTTP helpers (JSON bodies, OpenAI-shaped errors, bearer-key auth) live beside them."""
+``GatewayState`` (``state``); shared HTTP helpers (JSON bodies, bearer-key auth) live beside them. The OpenAI-shaped
+errors are ``gateway.base.errors``, which every layer raises."""

@@ -31,8 +31,8 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from gateway.api.errors import APIError, bad_request
 from gateway.api.http_json import json_response, read_json
+from gateway.base.errors import APIError, bad_request
 from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.store import TenancyStore

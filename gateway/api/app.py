@@ -18,11 +18,11 @@ from gateway.api import (batch_routes, files_routes, generation_routes, hooks, o
                          service_routes, token_routes)
 from gateway.api.admin import create_admin_blueprint
 from gateway.api.context import bind_state
-from gateway.api.errors import APIError
 from gateway.api.http_json import close_if_body_unread, read_body_first
 from gateway.api.web import create_web_blueprint
 from gateway.api.worker_admin import create_worker_admin_blueprint
-from gateway.state import GatewayState
+from gateway.base.errors import APIError
+from gateway.api.state import GatewayState
 
 
 def create_app(state: GatewayState) -> QuartTrio:

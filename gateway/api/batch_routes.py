@@ -17,9 +17,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from gateway.api.context import app_state, authorize
-from gateway.api.errors import APIError, bad_request
 from gateway.api.files_routes import check_query, list_limit, page_body
 from gateway.api.http_json import json_response, read_json
+from gateway.base.errors import APIError, bad_request
 from gateway.batches.jsonl import ENDPOINTS
 from gateway.batches.objects import batch_object, new_batch_id
 from tenancy.batch_store import BatchRecord

@@ -8,9 +8,9 @@ from typing import Any, cast
 from quart import current_app, g, request
 from quart_trio import QuartTrio
 
-from gateway.api.auth import Principal
-from gateway.api.errors import APIError, bad_request
-from gateway.state import GatewayState
+from gateway.api.state import GatewayState
+from gateway.base.errors import APIError, bad_request
+from gateway.base.principal import Principal
 
 STATE_KEY = "kvgate.state"
 

@@ -26,8 +26,8 @@ from werkzeug.formparser import FormDataParser
 from werkzeug.http import parse_options_header
 
 from gateway.api.context import app_state, authorize
-from gateway.api.errors import APIError, bad_request
 from gateway.api.http_json import json_response
+from gateway.base.errors import APIError, bad_request
 from gateway.batches.jsonl import parse_batch_file
 from gateway.batches.objects import file_object, new_file_id
 from tenancy.files_store import FileRecord

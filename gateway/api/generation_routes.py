@@ -20,14 +20,14 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from gateway.api.auth import Principal
 from gateway.api.context import app_state, authorize, check_model, current_trio_app
-from gateway.api.errors import APIError
 from gateway.api.http_json import json_response, read_json
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed
+from gateway.base.principal import Principal
 from gateway.fleet.pool import unix_deadline
 from gateway.pipeline.admission import RequestAccount
 from gateway.pipeline.choices import Choices, submit_all
-from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import Account, SSEBody, StreamProducer, complete, failure_to_api_error

@@ -8,11 +8,11 @@ import logging
 from quart import Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from gateway.api.auth import Principal
 from gateway.api.context import app_state
-from gateway.api.errors import DRAIN_RETRY_AFTER_S, APIError, error_body
 from gateway.api.generation_routes import GENERATION_ROUTES
 from gateway.api.http_json import json_response
+from gateway.base.errors import DRAIN_RETRY_AFTER_S, APIError, error_body
+from gateway.base.principal import Principal
 
 log = logging.getLogger("kvgate.gateway")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from quart import Response, g, request
 
-from gateway.api.errors import bad_request
+from gateway.base.errors import bad_request
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -17,9 +17,9 @@ from typing import Any
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from gateway.api.auth import Principal
+from gateway.base.principal import Principal
 from gateway.api.context import app_state, authorize, check_model
-from gateway.api.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request
 from gateway.api.generation_routes import reserve, start_stream, submit, tokenize, traced
 from gateway.api.http_json import json_response, read_json
 from gateway.responses.items import ChatMessage, new_id

@@ -9,9 +9,9 @@ from quart_trio import QuartTrio
 
 from gateway.api.admin import op_error
 from gateway.api.context import app_state, authorize
-from gateway.api.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request
 from gateway.api.http_json import json_response
 from gateway.api.openapi import VERSION
+from gateway.base.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request
 from gateway.telemetry import metrics
 from tenancy.admin_ops import AdminOpError, LocalAdmin
 

@@ -8,8 +8,8 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from gateway.api.context import app_state, authorize, check_model
-from gateway.api.errors import bad_request
 from gateway.api.http_json import json_response, read_json
+from gateway.base.errors import bad_request
 from gateway.pipeline.protocol import check_fields, parse_chat
 from gateway.pipeline.tokenizer import ChatTemplateError, InvalidText
 

@@ -29,9 +29,9 @@ import trio
 from quart import Blueprint, Response, request
 
 from gateway.api.admin import authorize_admin
-from gateway.api.errors import APIError
 from gateway.api.http_json import json_response
-from gateway.state import GatewayState
+from gateway.api.state import GatewayState
+from gateway.base.errors import APIError
 from gateway.fleet.worker_state import WorkerState
 
 STATIC_DIR = Path(__file__).with_name("static")

@@ -17,9 +17,9 @@ import math
 from quart import Blueprint, Response
 
 from gateway.api.admin import authorize_admin
-from gateway.api.errors import APIError, bad_request
 from gateway.api.http_json import json_response, read_json
-from gateway.state import GatewayState
+from gateway.api.state import GatewayState
+from gateway.base.errors import APIError, bad_request
 
 MAX_DRAIN_TIMEOUT_S = 3600.0  # the same bound as --drain-timeout
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID_CHARS = 512  # a key, not a payload: it is repeated in the output file and held per line

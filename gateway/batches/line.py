@@ -23,13 +23,13 @@ from typing import Any, Protocol
 
 import trio
 
-from gateway.api.auth import Principal
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed
+from gateway.base.principal import Principal
 from gateway.batches.objects import failure_line, success_line, unrun_line
 from gateway.fleet.pool import WorkerPool, unix_deadline
 from gateway.pipeline.admission import QuotaGate, RequestAccount
 from gateway.pipeline.choices import Choices, submit_all
-from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import complete, failure_to_api_error

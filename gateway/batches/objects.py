@@ -14,7 +14,7 @@ import json
 import secrets
 from typing import Any
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from tenancy.batch_store import BatchRecord
 from tenancy.files_store import FileRecord
 

@@ -26,13 +26,12 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from gateway.api.auth import Principal
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError, store_unavailable
+from gateway.base.principal import Principal
 from gateway.batches.jsonl import BatchFileError, parse_batch_file
 from gateway.batches.line import Line, LineRunner, Outcome, is_transient
 from gateway.batches.objects import failure_line, line_request_id, new_file_id, unrun_line
 from gateway.batches.stored import STORE_TIMEOUT_S, StoredBatches
-from gateway.responses.stored import store_unavailable
 from tenancy.batch_store import BatchRecord, PendingLine, Status, StoredFile
 from tenancy.files_store import FileRecord
 
@@ -265,7 +264,7 @@ class BatchRunner:
                 value = e
             except Exception as e:  # noqa: BLE001 - the store: a 503 like every store failure, never cached
                 log.error("batch runner: key lookup failed (%s)", type(e).__name__)
-                raise store_unavailable() from None
+                raise store_unavailable("the response store is unavailable; retry the request") from None
             if len(self._principals) > 1024:
                 self._principals.clear()
             hit = self._principals[key] = (now + PRINCIPAL_TTL_S, value)

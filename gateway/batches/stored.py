@@ -17,8 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from gateway.api.errors import APIError
-from gateway.responses.stored import store_unavailable
+from gateway.base.errors import APIError, store_unavailable
 from tenancy.batch_lease import BatchLease
 from tenancy.batch_store import BatchRecord, BatchStore, LineResult, PendingLine, Status, StoredFile
 from tenancy.db_backend import Backend

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import trio
 
+from gateway.base.errors import APIError, unavailable
+from gateway.base.handle import PendingBudget, RequestHandle
 from gateway.config import AdmissionConfig, TimingConfig
-from gateway.api.errors import APIError, unavailable
-from gateway.pipeline.handle import PendingBudget, RequestFailed, RequestHandle
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
 from gateway.fleet.routing import Placement, Router, WorkerLoad, prefix_keys

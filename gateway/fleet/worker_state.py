@@ -8,7 +8,7 @@ from typing import Final, Protocol
 
 import trio
 
-from gateway.pipeline.handle import RequestHandle
+from gateway.base.handle import RequestHandle
 from gateway.fleet.routing import TenantCounts, WorkerLoad
 from gateway.fleet.worker_link import Outgoing, open_outbox
 from ipc.messages import EngineTimings, Hello, Stats

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import trio
 
-from gateway.api.auth import Principal
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.principal import Principal
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.pipeline.choices import Choices
 from gateway.telemetry.tracing import RequestTrace

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.errors import bad_request
+from gateway.base.errors import bad_request
 from gateway.pipeline.tools import Format, ToolConfig, calls_text, system_prompt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from gateway.base.handle import RequestHandle
 from gateway.pipeline.generation import OutputAssembler
-from gateway.pipeline.handle import RequestHandle
 from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import EngineTimings

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.api.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request
 from gateway.pipeline.chat_messages import parse_messages, template_input
 from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText

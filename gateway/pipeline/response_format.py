@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from gateway.api.errors import bad_request
+from gateway.base.errors import bad_request
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 MAX_SPEC_CHARS = 100_000  # a schema this large is not a response format, it is an attack on the compiler

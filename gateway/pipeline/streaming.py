@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed, RequestHandle
 from gateway.pipeline.choices import Child, Choices
 from gateway.pipeline.generation import Delta, OutputAssembler
-from gateway.pipeline.handle import RequestFailed, RequestHandle
 from gateway.pipeline.responses import ResponseBuilder
 
 log = logging.getLogger("kvgate.gateway.streaming")

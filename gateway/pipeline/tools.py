@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.api.errors import bad_request
+from gateway.base.errors import bad_request
 from gateway.pipeline.response_format import validate_schema
 
 CALL_START = "<tool_call>"

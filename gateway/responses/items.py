@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from gateway.api.errors import bad_request
+from gateway.base.errors import bad_request
 
 ROLES = ("user", "system", "developer", "assistant")
 MAX_INPUT_ITEMS = 2048  # the body's size bounds it too; this bounds the per-item work before any tokenizing

@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
 from gateway.pipeline.choices import Choices
 from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tool_stream import ToolCallParser

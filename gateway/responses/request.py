@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request
 from gateway.pipeline.protocol import GenerationRequest, parse_chat
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.responses.items import ChatMessage, StoredItem, parse_input

@@ -19,10 +19,10 @@ from typing import Any
 
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError
+from gateway.base.handle import RequestFailed
 from gateway.pipeline.choices import Child, Choices
 from gateway.pipeline.generation import Delta
-from gateway.pipeline.handle import RequestFailed
 from gateway.pipeline.streaming import Account, ConsumerGone, EventProducer, failure_to_api_error, follow_all
 from gateway.responses.objects import ResponseDraft
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from gateway.api.errors import APIError
+from gateway.base.errors import APIError, store_unavailable
 from tenancy.responses_store import Part, ResponseStore, StoredResponse
 
 log = logging.getLogger("kvgate.gateway.responses")
@@ -27,10 +27,6 @@ MAX_PRUNE_INTERVAL_S = 600.0
 
 
 _UNAVAILABLE = "the response store is unavailable; retry the request"
-
-
-def store_unavailable(message: str = _UNAVAILABLE) -> APIError:
-    return APIError(503, message, code="store_unavailable", retry_after=1.0)
 
 
 # A put fails after the generation ran and was billed: say so, so the client does not take it for a refusal.

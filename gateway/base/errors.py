@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: one exception type the routes raise, one JSON shape every error response has.
+"""OpenAI-shaped errors: one exception type every layer raises, one JSON shape every error response has.
 
 ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status, whether the failure is a bad
 parameter (400), a bad key (401), an unknown model (404), an oversized body (413), no capacity (503 with an
@@ -56,3 +56,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 def unavailable(message: str, retry_after: float, code: str = "no_capacity") -> APIError:
     return APIError(503, message, code=code, retry_after=retry_after)
+
+
+def store_unavailable(message: str) -> APIError:
+    """A store call (stored responses, the Batch API's files and batches, a batch key's lookup) failed or took too
+    long: a 503 to retry in a second."""
+    return APIError(503, message, code="store_unavailable", retry_after=1.0)
