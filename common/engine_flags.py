@@ -73,6 +73,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          'n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, '
          '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (optional: disable_by_batch_size, '
          'acceptance_threshold; see README)'),
+    Flag("lora_dir", str, None, "a directory of PEFT LoRA adapters, one subdirectory each; a request names one to "
+                                "run with it (loaded on first use)"),
+    Flag("max_loras", int, 8, "distinct LoRA adapters one engine step may run (others wait a step)", minimum=1),
+    Flag("max_cpu_loras", int, None, "LoRA adapters kept loaded, least recently used evicted first (default: "
+                                     "--max-loras; at least --max-loras)", minimum=1),
 )
 FLAGS_BY_DEST: Mapping[str, Flag] = {f.dest: f for f in ENGINE_FLAGS}
 
@@ -86,6 +91,7 @@ OFFLINE: Mapping[str, str] = {
     "enforce_eager": "enforce_eager",
     "num_threads": "num_threads", "seed": "seed", "speculative_config": "speculative_config",
     "scheduling_policy": "scheduling_policy",
+    "lora_dir": "lora_dir", "max_loras": "max_loras", "max_cpu_loras": "max_cpu_loras",
 }
 PROCESS_ONLY = {"target_step_ms": "the worker sizes its step budget at start; the offline LLM takes "
                                   "max_num_batched_tokens as given"}

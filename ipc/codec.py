@@ -214,7 +214,8 @@ _NESTED: Final[Mapping[type[Any], _Spec]] = MappingProxyType({EngineTimings: _TI
 # Tags are small ints so a frame's first byte says what it is: 1.. gateway->worker, 16.. worker->gateway.
 # Never reuse or renumber a tag; retire it and bump PROTOCOL_VERSION instead.
 _SPECS: Final[tuple[_Spec, ...]] = (
-    _spec(1, Generate, (_str, _int_list, _sampling, _opt(_str), _float, _opt(_float), _opt(_str_dict), _int)),
+    _spec(1, Generate, (_str, _int_list, _sampling, _opt(_str), _float, _opt(_float), _opt(_str_dict), _int,
+                        _opt(_str))),
     _spec(2, Abort, (_list(_str),)),
     _spec(3, Drain, ()),
     _spec(4, Shutdown, ()),

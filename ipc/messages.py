@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 10  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 11  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
 # 5: speculative-decoding counters in Stats; 6: Refused; 7: RequestOutputMsg.error_code; 8: prompt logprobs
 # (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority; 10: prompt logprobs
-# travel chunk by chunk (outputs with no token carry them; a version-9 gateway would keep only the last chunk)
+# travel chunk by chunk (outputs with no token carry them; a version-9 gateway would keep only the last chunk);
+# 11: Generate.lora (the LoRA adapter a request runs with)
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -42,6 +43,7 @@ class Generate:
     deadline: float | None  # unix seconds; the worker may finish the request with a timeout after it
     trace_context: dict[str, str] | None  # W3C traceparent/tracestate, propagated as-is
     priority: int = 0  # vLLM's: lower runs sooner (the worker's priority scheduling policy)
+    lora: str | None = None  # a LoRA adapter under the worker's --lora-dir (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,8 @@ SAMPLES: dict[str, list[str]] = {
     "no_prefix_caching": ["--no-prefix-caching"], "num_threads": ["--num-threads", "2"], "seed": ["--seed", "7"],
     "speculative_config": ["--speculative-config", SPEC], "scheduling_policy": ["--scheduling-policy", "fcfs"],
     "enforce_eager": ["--enforce-eager"],
+    "lora_dir": ["--lora-dir", "/srv/adapters"], "max_loras": ["--max-loras", "2"],
+    "max_cpu_loras": ["--max-cpu-loras", "16"],
 }
 
 

@@ -75,12 +75,35 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (workers/lora/): served by name from ``lora_dir`` (one PEFT directory each, loaded on first
+    use); at most ``max_cpu_loras`` kept loaded, least recently used evicted first (None: the scheduler's
+    ``max_loras``, the adapters one step may run). No lora_dir: requests naming an adapter are refused."""
+
+    lora_dir: str | None = None
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @property
+    def max_cpu_loras(self) -> int:
+        return self.lora.max_cpu_loras or self.scheduler.max_loras
 
     def __post_init__(self) -> None:
+        # A step's adapters must all be resident at once, so the resident set holds at least a step's worth.
+        if self.max_cpu_loras < self.scheduler.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.scheduler.max_loras})")
         # The int8 cache has a CPU kernel and a torch reference; the CUDA kernels read fp32/bf16/fp16 only.
         if self.cache.kv_cache_dtype == "int8" and self.model.device != "cpu":
             raise ValueError("kv_cache_dtype int8 runs on the CPU only; use auto, bfloat16 or float16 on CUDA")

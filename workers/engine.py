@@ -22,6 +22,7 @@ from workers.core.outputs import EngineStats, RequestTimings, RunnerOutput, Sche
 from workers.core.request import Request, RequestStatus
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.lora import LoraRegistry, UnknownLora
 from workers.model_runner import ModelRunner, kv_cache_bytes_per_block
 from workers import structured
 from common.startup import StartupProgress
@@ -50,12 +51,15 @@ class LLMEngine:
         self.structured: structured.StructuredOutputs | None = None  # set by structured.enable
         self._parked: dict[str, Request] = {}  # waiting for their grammar's compile, in arrival order
         self._parked_finished: list[StepOutput] = []  # parked requests aborted or refused, reported next step
+        self.loras: LoraRegistry | None = None  # set by engine_from_model: the worker's resident LoRA adapters
+        self._lora_of: dict[str, str] = {}  # request id -> the adapter it pins, until it finishes
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, weight: float = 1.0,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Raises ValueError for input that is wrong (a 4xx); a prompt that can never fit is accepted and
-        finishes at the next step with an error, so the caller sees one uniform path."""
+                    arrival_time: float | None = None, priority: int = 0, lora: str | None = None) -> None:
+        """Raises ValueError for input that is wrong (a 4xx); a prompt that can never fit, or an adapter (``lora``)
+        this worker cannot serve, is accepted and finishes at the next step with an error, so the caller sees
+        one uniform path."""
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt must contain at least one token")
@@ -72,12 +76,45 @@ class LLMEngine:
                              "priority)")
         req = Request(request_id, ids, params, cache_salt, float(weight),
                       arrival_time if arrival_time is not None else self.scheduler.clock(),
-                      self.eos_token_ids, self.max_model_len, priority=int(priority))
+                      self.eos_token_ids, self.max_model_len, priority=int(priority), lora=lora)
+        if lora is not None and not self._acquire_lora(req):
+            return
         # Never blocks: a grammar not compiled yet parks the request; a malformed spec raises
         if structured.prepare(self, request_id, params):
             self._parked[request_id] = req
             return
         self.scheduler.add_request(req)
+
+    def _acquire_lora(self, req: Request) -> bool:
+        """Load (if not resident) and pin the request's adapter, here at the step boundary, never in a step.
+        False: it cannot be served, and the request finishes at the next step with the reason: an unknown name
+        is ``model_not_found`` (OpenAI's code for a model that does not exist), a broken adapter
+        ``invalid_request``."""
+        name = req.lora or ""
+        try:
+            if self.loras is None:
+                raise UnknownLora(f"LoRA adapter {name!r} requested, but this engine serves none (no lora_dir)")
+            self.loras.acquire(name)
+        except UnknownLora as e:
+            self._parked_finished.append(_finished_early(req, RequestStatus.FINISHED_IGNORED, str(e),
+                                                         self.scheduler.clock(), "model_not_found"))
+            return False
+        except ValueError as e:
+            self._parked_finished.append(_finished_early(req, RequestStatus.FINISHED_IGNORED,
+                                                         f"LoRA adapter {name!r} cannot be loaded: {e}",
+                                                         self.scheduler.clock(), "invalid_request"))
+            return False
+        self._lora_of[req.request_id] = name
+        return True
+
+    def _release_finished(self, outputs: list[StepOutput]) -> None:
+        """Finished requests give back their runner state and their pin on an adapter."""
+        for o in outputs:
+            if o.finished:
+                self.runner.release(o.request_id)
+                name = self._lora_of.pop(o.request_id, None)
+                if name is not None and self.loras is not None:
+                    self.loras.release(name)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -105,12 +142,11 @@ class LLMEngine:
                 # Only compiles pending: wait a little for one instead of spinning (bounded, so the worker
                 # still sees its inbox: new requests, aborts)
                 self.structured.wait(structured.IDLE_POLL_S)
+            self._release_finished(outputs)
             return outputs
         result = self.runner.execute(plan)
         outputs = early + self.scheduler.update_from_output(plan, result.sampled, result.prompt_logprobs)
-        for o in outputs:
-            if o.finished:
-                self.runner.release(o.request_id)
+        self._release_finished(outputs)
         return outputs
 
     def _admit_parked(self) -> list[StepOutput]:
@@ -217,8 +253,11 @@ def engine_from_model(model: LlamaForCausalLM, cfg: EngineConfig, max_len: int) 
         runner.enable_cuda_graphs(max_model_len, min(cfg.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
     log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; max_model_len %d", nb, cfg.cache.block_size,
              str(kv_dtype).removeprefix("torch."), nb * block_bytes / 2**20, max_model_len)
-    return LLMEngine(runner, Scheduler(cfg.scheduler, bm), model.cfg.vocab_size, model.cfg.eos_token_ids,
-                     max_model_len)
+    engine = LLMEngine(runner, Scheduler(cfg.scheduler, bm), model.cfg.vocab_size, model.cfg.eos_token_ids,
+                       max_model_len)
+    if cfg.lora.lora_dir is not None:
+        engine.loras = runner.loras = LoraRegistry(Path(cfg.lora.lora_dir), model.cfg, cfg.max_cpu_loras, device)
+    return engine
 
 
 def resolve_max_model_len(llama_cfg: LlamaConfig, requested: int | None) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig
 from workers.core.outputs import EngineStats, StepOutput, TokenLogprobs
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import SchedulerConfig
@@ -37,9 +37,11 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0, num_threads: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None,
-                 scheduling_policy: str = "priority", enforce_eager: bool = False) -> None:
+                 scheduling_policy: str = "priority", enforce_eager: bool = False, lora_dir: str | None = None,
+                 max_loras: int = 8, max_cpu_loras: int | None = None) -> None:
         """``speculative_config``: vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 3,
-        "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError."""
+        "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError. ``lora_dir``: PEFT LoRA
+        adapters, one subdirectory each, that ``generate(..., lora=name)`` runs with."""
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
@@ -47,7 +49,8 @@ class LLM:
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype, kv_cache_bytes),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config),
-                            scheduling_policy))
+                            scheduling_policy, max_loras),
+            LoraConfig(lora_dir, max_cpu_loras))
         self.engine: LLMEngine
         self.engine, directory = engine_from_config(self.config)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(directory)
@@ -55,9 +58,10 @@ class LLM:
 
     # ---- step-level API (what a worker process drives) ---------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    cache_salt: str | None = None, weight: float = 1.0, priority: int = 0) -> list[int]:
+                    cache_salt: str | None = None, weight: float = 1.0, priority: int = 0,
+                    lora: str | None = None) -> list[int]:
         ids = self.encode(prompt)
-        self.engine.add_request(request_id, ids, params, cache_salt, weight, priority=priority)
+        self.engine.add_request(request_id, ids, params, cache_salt, weight, priority=priority, lora=lora)
         return ids
 
     def step(self) -> list[StepOutput]:
@@ -79,15 +83,19 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[CompletionOutput]:
+                 cache_salt: str | None = None, lora: str | Sequence[str | None] | None = None
+                 ) -> list[CompletionOutput]:
+        """``lora``: the adapter (under ``lora_dir``) every prompt runs with, or one per prompt (None: the base
+        model). An adapter that cannot be served finishes its prompts with ``error`` set."""
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list (of strings or of token-id lists), not one string")
         plist = _broadcast(params, len(prompts))
+        loras = _broadcast_lora(lora, len(prompts))
         outs: dict[str, CompletionOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, name in zip(prompts, plist, loras):
             rid = f"offline-{next(self._ids)}"
-            ids = self.add_request(rid, prompt, p, cache_salt)
+            ids = self.add_request(rid, prompt, p, cache_salt, lora=name)
             outs[rid] = CompletionOutput(rid, ids, [], "", None, 0, [] if p.logprobs is not None else None)
             order.append(rid)
         for o in self._run():
@@ -104,9 +112,10 @@ class LLM:
 
     def chat(self, conversations: Sequence[Sequence[dict[str, str]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             cache_salt: str | None = None) -> list[CompletionOutput]:
+             cache_salt: str | None = None, lora: str | Sequence[str | None] | None = None
+             ) -> list[CompletionOutput]:
         prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, cache_salt)
+        return self.generate(prompts, params, cache_salt, lora)
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not messages:
@@ -127,6 +136,14 @@ def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
+
+
+def _broadcast_lora(lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA names for {n} prompts")
+    return list(lora)
 
 
 def _speculative(cfg: str | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -1,7 +1,9 @@
 """Turns a scheduler plan into flat model inputs, runs the model over the paged KV cache, and samples.
 
 Batch layout of a step (T tokens, B sequences, S sampled rows): sequences with a single new token (decodes)
-first, then prefill chunks, all concatenated with no padding.
+first, then prefill chunks, all concatenated with no padding. Rows of requests with a LoRA adapter are grouped
+per adapter (``workers.lora.LoraBatch``) and get its deltas on the projections it targets; such a step runs
+eagerly on the module path (no CUDA graph, no C++ decode stack).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kernels_cupy.interface import AttentionBackend, AttentionMetadata
 from kernels_cupy.kv_quant import row_bytes, row_width
 from workers import spec_verify
 from workers.cuda_graphs import DecodeGraphs, is_pure_decode
+from workers.lora import LoraBatch, LoraRegistry
 from workers.core.outputs import PromptLogprob, RunnerOutput, ScheduledRequest, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler
@@ -31,6 +34,7 @@ class StepInputs:
     sampled: list[ScheduledRequest]  # (S,) the requests the sampled rows belong to
     # (R,) per prompt-logprob row: its request id and the prompt token that follows its position
     prompt_targets: list[tuple[str, int]] = field(default_factory=list)
+    lora_rows: dict[str, list[int]] = field(default_factory=dict)  # adapter name -> its rows of the flat batch
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -51,6 +55,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(c.num_hidden_layers)]
         self.sampler = Sampler(c.vocab_size, device, seed)
         self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (enable_cuda_graphs)
+        self.loras: LoraRegistry | None = None  # the engine's resident adapters (set with a lora_dir)
 
     def enable_cuda_graphs(self, max_model_len: int, max_batch: int) -> bool:
         """Capture the decode step for batch sizes up to max_batch; False (logged) where the attention backend
@@ -72,17 +77,33 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         inputs = self.prepare(plan)
+        lora = self._lora_batch(inputs.lora_rows)
         logits = None
-        if self.graphs is not None and is_pure_decode(inputs.meta, len(inputs.input_ids), len(inputs.logits_indices)):
+        if self.graphs is not None and lora is None and is_pure_decode(inputs.meta, len(inputs.input_ids),
+                                                                       len(inputs.logits_indices)):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # (S, V), or None: eager
         if logits is None:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
-                                inputs.logits_indices)  # (S + R, V)
+                                inputs.logits_indices, lora)  # (S + R, V)
         s = len(inputs.logits_indices) - len(inputs.prompt_targets)
         sampled = spec_verify.sample_step(self.sampler, logits[:s], inputs.sampled)  # drafts verified there
         if not inputs.prompt_targets:
             return RunnerOutput(sampled)
         return RunnerOutput(sampled, prompt_logprobs(logits[s:], inputs.prompt_targets, plan))
+
+    def _lora_batch(self, lora_rows: dict[str, list[int]]) -> LoraBatch | None:
+        """The step's adapter groups (every adapter was loaded and pinned when its request was added)."""
+        if not lora_rows:
+            return None
+        if self.loras is None:
+            raise RuntimeError("a step has LoRA rows but the runner has no adapters")
+        kernel = None
+        if self.device.type == "cpu":
+            from kernels_cupy.cpu.qgemm import load_qgemm
+
+            kernel = load_qgemm()  # flinear: the fixed-order fp32 kernel (None: torch's F.linear, logged there)
+        adapters = {name: self.loras.get(name) for name in lora_rows}
+        return LoraBatch.build(lora_rows, adapters, kernel, self.device)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -96,8 +117,11 @@ class ModelRunner:
         sampled: list[ScheduledRequest] = []
         prompt_rows: list[int] = []
         targets: list[tuple[str, int]] = []
+        lora_rows: dict[str, list[int]] = {}
         for s in order:
             start, n = s.request.num_computed_tokens, s.num_new_tokens
+            if s.request.lora is not None:
+                lora_rows.setdefault(s.request.lora, []).extend(range(len(ids), len(ids) + n))
             ids.extend(s.input_token_ids())  # with a draft: the last token, then the drafted ones
             p = range(start, start + n)
             pos.extend(p)
@@ -130,7 +154,8 @@ class ModelRunner:
             num_decodes=nd, max_seq_len=max(slens))
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(pos, dtype=torch.int64, device=dev), meta,
-                          torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev), sampled, targets)
+                          torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev), sampled, targets,
+                          lora_rows)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[str, int]],

@@ -81,7 +81,7 @@ class Worker:
         try:
             # g.sampling was validated when the frame was decoded (ipc.codec): no second check here
             self.engine.add_request(g.request_id, g.prompt_token_ids, g.sampling, g.cache_salt, g.weight,
-                                    priority=g.priority)
+                                    priority=g.priority, lora=g.lora)
         except (ValueError, TypeError) as e:  # bad input: a 4xx for that request, never a dead worker
             self.io.send(RequestError(g.request_id, str(e), "invalid_request"))
             return

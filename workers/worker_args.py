@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from common.engine_flags import add_engine_flags, check, given
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig
 from workers.core.scheduler import SchedulerConfig
 from workers.core.spec_decode import SpeculativeConfig
 
@@ -30,4 +30,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     None if gib is None else int(gib * 2**30)),
                         SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative,
-                                        a.scheduling_policy))
+                                        a.scheduling_policy, a.max_loras),
+                        LoraConfig(a.lora_dir, a.max_cpu_loras))

@@ -15,14 +15,19 @@ from dataclasses import dataclass
 from workers.core.request import Request
 
 
-def hash_block(parent: bytes | None, tokens: Sequence[int], extra: str | None) -> bytes:
-    """H(parent, tokens, extra) with SHA-256: collisions would leak one tenant's cache to another, so no
-    64-bit Python hash. ``extra`` (the cache salt) is only mixed into the first block; the chain carries it."""
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: str | None, lora: str | None = None) -> bytes:
+    """H(parent, tokens, lora, extra) with SHA-256: collisions would leak one tenant's cache to another, so no
+    64-bit Python hash. ``extra`` (the cache salt) and ``lora`` (the adapter the K/V were computed under: a prefix
+    of one adapter is never another's, nor the base model's) are only mixed into the first block; the chain carries
+    them. The adapter name is length-prefixed under its own tag, so no salt can spell a salt-and-adapter pair."""
     h = hashlib.sha256()
     h.update(parent if parent is not None else b"root")
     h.update(len(tokens).to_bytes(4, "little"))
     for t in tokens:
         h.update(t.to_bytes(4, "little"))
+    if lora is not None:
+        name = lora.encode("utf-8")
+        h.update(b"lora:" + len(name).to_bytes(4, "little") + name)
     if extra is not None:
         h.update(b"salt:" + extra.encode("utf-8"))
     return h.digest()
@@ -77,8 +82,8 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = req.cache_salt if i == 0 else None
-            hashes.append(hash_block(parent, req.tokens_in(i * bs, (i + 1) * bs), extra))
+            extra, lora = (req.cache_salt, req.lora) if i == 0 else (None, None)
+            hashes.append(hash_block(parent, req.tokens_in(i * bs, (i + 1) * bs), extra, lora))
         return hashes
 
     def find_cached_prefix(self, req: Request) -> list[int]:

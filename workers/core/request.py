@@ -51,6 +51,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_total_tokens: int = 0  # prompt + output may not exceed this (the context limit)
     priority: int = 0  # lower runs sooner, under the priority policy (workers/core/priority.py)
+    lora: str | None = None  # the LoRA adapter its rows run with (None: the base model); part of its prefix key
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -112,6 +113,6 @@ class Request:
 
     def anon_repr(self) -> str:
         """For logs: lengths and state, never the tokens themselves."""
-        return (f"Request(id={self.request_id}, prompt_len={self.num_prompt_tokens}, "
+        return (f"Request(id={self.request_id}, prompt_len={self.num_prompt_tokens}, lora={self.lora is not None}, "
                 f"out_len={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
                 f"status={self.status.name})")

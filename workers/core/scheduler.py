@@ -27,6 +27,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
     policy: str = "priority"  # or "fcfs" (every request at priority 0): workers/core/priority.py
+    # Distinct LoRA adapters one step may run (vLLM's max_loras; base rows do not count): a request whose adapter
+    # would be one more waits for a step with room (a running one keeps its blocks, a waiting one its place)
+    max_loras: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in priority.POLICIES:
@@ -35,6 +38,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
 
 
 class Scheduler:
@@ -97,9 +102,10 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=priority.running_order)  # stable: equal ones keep their admission order
             best_waiting, made_room = self._make_room_for_the_best_waiting()
-        budget = self._schedule_running(budget, scheduled, preempted, best_waiting)
+        loras: set[str] = set()  # the adapters this step runs so far
+        budget = self._schedule_running(budget, scheduled, preempted, best_waiting, loras)
         if not preempted:  # a step that had to preempt admits nobody new
-            budget = self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_waiting(budget, scheduled, loras)
         used = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, used, made_room + preempted)
 
@@ -125,13 +131,23 @@ class Scheduler:
             preempted.append(victim.request_id)
         return level, preempted
 
+    def _lora_fits(self, req: Request, loras: set[str]) -> bool:
+        """Whether ``req`` may run in a step already running ``loras`` (adding its adapter to them if so)."""
+        if req.lora is None or req.lora in loras:
+            return True
+        if len(loras) >= self.config.max_loras:
+            return False
+        loras.add(req.lora)
+        return True
+
     def _schedule_running(self, budget: int, out: list[ScheduledRequest], preempted: list[str],
-                          best_waiting: int | None = None) -> int:
+                          best_waiting: int | None = None, loras: set[str] | None = None) -> int:
+        loras = set() if loras is None else loras
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if priority.holds_back(req, best_waiting):
-                i += 1  # its next prefill chunk waits: the budget goes to the better-placed arrival first
+            if priority.holds_back(req, best_waiting) or not self._lora_fits(req, loras):
+                i += 1  # waits a step: for the better-placed arrival, or for room among the step's adapters
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
@@ -181,8 +197,9 @@ class Scheduler:
         return {h for s in planned if s.request.num_computed_tokens < s.request.num_prompt_tokens
                 for h in self.bm.uncomputed_prompt_hashes(s.request)}
 
-    def _schedule_waiting(self, budget: int, out: list[ScheduledRequest]) -> int:
+    def _schedule_waiting(self, budget: int, out: list[ScheduledRequest], loras: set[str] | None = None) -> int:
         bs = self.bm.block_size
+        loras = set() if loras is None else loras
         now: float | None = None
         # One prefill for one prefix: a request whose next block another request is computing waits for it (a
         # step or a few) and then hits the cache, instead of computing the same block beside it. This is what
@@ -198,9 +215,14 @@ class Scheduler:
             if nxt is not None and nxt in inflight:
                 deferred.add(queue_key(req))
                 continue
+            if req.lora is not None and req.lora not in loras and len(loras) >= self.config.max_loras:
+                deferred.add(queue_key(req))  # its adapter would be one too many this step; other queues go on
+                continue
             n = min(req.num_tokens - len(hits) * bs, budget)
             if not self.bm.allocate_slots(req, n, hits):
                 break  # doesn't fit now: wait for running requests to finish (no skipping ahead)
+            if req.lora is not None:
+                loras.add(req.lora)
             self.waiting.pop(req, cost_tokens=req.num_tokens - len(hits) * bs)
             self.bm.prefix_queries += req.num_tokens
             self.bm.prefix_hits += len(hits) * bs

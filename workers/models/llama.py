@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -103,6 +103,12 @@ class RMSNorm(nn.Module):
         return rms_norm_ref(x, None, self.weight, self.eps)
 
 
+class RowDeltas(Protocol):
+    """A step's per-row additions to projection outputs (``workers.lora.LoraBatch``: LoRA adapters' rows)."""
+
+    def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
 @dataclass
 class StepCtx:
     """What every layer of one step shares: the fused ops, positions, the rope tables and, on the reference
@@ -113,6 +119,16 @@ class StepCtx:
     tables: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (max_len, D) fp32
     rows: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin: (T, 1, D) in the model dtype, or None
     kv: tuple[torch.Tensor, torch.Tensor] = field(default=(torch.empty(0), torch.empty(0)))
+    lora: RowDeltas | None = None  # the step's LoRA rows, or None (no row uses an adapter)
+    layer: int = 0  # the decoder layer running now (which of an adapter's layers applies)
+
+
+def project(m: nn.Module, x: torch.Tensor, step: StepCtx | None, name: str) -> torch.Tensor:
+    """m(x) for a projection, plus the step's LoRA deltas on their rows: (T, in) -> (T, out)."""
+    y: torch.Tensor = m(x)
+    if step is not None and step.lora is not None:
+        step.lora.add(step.layer, name, x, y)
+    return y
 
 
 class Rotary(nn.Module):
@@ -141,13 +157,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepCtx, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:  # (T, H) -> (T, H)
         t, kv = x.shape[0], step.kv
-        qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D): q and k are rotated in place, in one call
+        qkv = project(self.qkv_proj, x, step, "qkv_proj")  # (T, (Hq + 2 Hkv) D): q, k rotated in place, one call
         step.ops.rope_qk_(qkv, self.hq + self.hkv, self.d, step.tables, step.positions, step.rows)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         backend.write_kv(k, v, kv[0], kv[1], meta)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(o.reshape(t, self.hq * self.d))
+        return project(self.o_proj, o.reshape(t, self.hq * self.d), step, "o_proj")
 
 
 class MLP(nn.Module):
@@ -157,8 +173,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: FusedOps = REFERENCE) -> torch.Tensor:  # (T, H) -> (T, H)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: FusedOps = REFERENCE,
+                step: StepCtx | None = None) -> torch.Tensor:  # (T, H) -> (T, H)
+        gate_up = project(self.gate_up_proj, x, step, "gate_up_proj")  # (T, 2 I)
+        return project(self.down_proj, ops.silu_mul(gate_up), step, "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +193,7 @@ class DecoderLayer(nn.Module):
         x += attention); returns this layer's MLP output, which the next layer (or the final norm) adds."""
         n1, n2, ops = self.input_layernorm, self.post_attention_layernorm, step.ops
         a = self.self_attn(ops.rms_norm(x, delta, n1.weight, n1.eps), step, meta, backend)
-        return self.mlp(ops.rms_norm(x, a, n2.weight, n2.eps), ops)
+        return self.mlp(ops.rms_norm(x, a, n2.weight, n2.eps), ops, step)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -210,18 +228,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # (S,) int64: rows whose next token is sampled
+        lora: RowDeltas | None = None,  # the step's LoRA rows (None: every row runs the base model)
     ) -> torch.Tensor:  # (S, vocab) fp32
         x = self.embed_tokens(input_ids)  # (T, H): a fresh tensor, the residual stream updated in place
         tables = (cast(torch.Tensor, self.rotary.cos), cast(torch.Tensor, self.rotary.sin))
         rows = None if self.ops.usable(x) else self.rotary(positions, x.dtype)
         delta: torch.Tensor | None = None
-        stack = self.decode_stack()
+        # A step with LoRA rows takes the module path (the C++ stack has no LoRA yet); its base rows get the same
+        # bits either way: the stack runs the module path's kernels in its order (tests/test_lora_batch.py).
+        stack = None if lora is not None else self.decode_stack()
         if stack is not None and rows is None and stack.runs(x, meta, backend, kv_caches):
             delta = stack.forward(x, positions, kv_caches, meta, tables)
         else:
-            step = StepCtx(self.ops, positions, tables, rows)
-            for layer, kv in zip(self.layers, kv_caches):
-                step.kv = kv
+            step = StepCtx(self.ops, positions, tables, rows, lora=lora)
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                step.kv, step.layer = kv, i
                 delta = layer(x, delta, step, meta, backend)
         x, delta = x[logits_indices], None if delta is None else delta[logits_indices]
         x = self.ops.rms_norm(x, delta, self.norm.weight, self.norm.eps)  # (S, H): only sampled rows

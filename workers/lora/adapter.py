@@ -1,0 +1,199 @@
+"""A PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) read, checked against the base
+model and mapped onto kvgate's fused projections.
+
+PEFT trains one (A, B) pair per Hugging Face module; kvgate fuses q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj``, so each pair becomes an output slice of its fused layer: q_proj adds to columns [0, Hq*D) of
+qkv_proj, k_proj to the next Hkv*D, and so on. Everything is read and checked before anything is built: a file
+that fails any check raises ValueError and leaves nothing behind (the registry only ever holds whole adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.models.llama import LlamaConfig
+
+MAX_RANK = 64
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# An adapter's name is a directory under --lora-dir: one path component, nothing hidden, no "..".
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# PEFT's saved key for a Llama layer's pair (the adapter name is stripped on save).
+_KEY_RE = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# Config fields this slice does not implement: an adapter using them is refused, never served differently.
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+                "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one PEFT module lands in kvgate: its fused projection, output columns [lo, hi), input width."""
+
+    module: str  # "self_attn" or "mlp": PEFT's parent module
+    proj: str  # kvgate's projection: qkv_proj, o_proj, gate_up_proj, down_proj
+    lo: int
+    hi: int
+    in_features: int
+
+
+def targets(cfg: LlamaConfig) -> dict[str, Target]:
+    """PEFT module name -> its place in kvgate's fused layers, for this base model."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "q_proj": Target("self_attn", "qkv_proj", 0, q, h),
+        "k_proj": Target("self_attn", "qkv_proj", q, q + kv, h),
+        "v_proj": Target("self_attn", "qkv_proj", q + kv, q + 2 * kv, h),
+        "o_proj": Target("self_attn", "o_proj", 0, h, q),
+        "gate_proj": Target("mlp", "gate_up_proj", 0, i, h),
+        "up_proj": Target("mlp", "gate_up_proj", i, 2 * i, h),
+        "down_proj": Target("mlp", "down_proj", 0, h, i),
+    }
+
+
+@dataclass(frozen=True)
+class LoraSlice:
+    """One PEFT module's pair inside a fused projection: rows [r_lo, r_hi) of the projection's stacked A give
+    its shrink, ``b`` its expand into output columns [lo, hi)."""
+
+    lo: int
+    hi: int
+    r_lo: int
+    r_hi: int
+    b: torch.Tensor  # (hi - lo, r) fp32, contiguous
+
+
+@dataclass(frozen=True)
+class LoraProj:
+    """An adapter's pairs on one fused projection: the A of every targeted module stacked, so one shrink call
+    serves them all (each output column of the kernel is summed on its own, so stacking changes no bit)."""
+
+    a: torch.Tensor  # (n_targets * r, in) fp32, contiguous
+    slices: tuple[LoraSlice, ...]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    rank: int
+    scale: float  # lora_alpha / r (or / sqrt(r) with use_rslora), applied as PEFT does: (B (A x)) * scale
+    layers: tuple[dict[str, LoraProj], ...]  # per decoder layer: kvgate projection -> its pairs
+    nbytes: int
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{CONFIG_FILE}: cannot be read as JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{CONFIG_FILE}: not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{CONFIG_FILE}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, plain in _UNSUPPORTED.items():
+        v = cfg.get(key)
+        if not (v is None or v == plain or v == {} or v == [] or v is False):
+            raise ValueError(f"{CONFIG_FILE}: {key}={v!r} is not supported")
+    return cfg
+
+
+def _rank_and_scale(cfg: dict[str, Any]) -> tuple[int, float]:
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RANK:
+        raise ValueError(f"{CONFIG_FILE}: rank r must be an integer in [1, {MAX_RANK}], got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a finite number, got {alpha!r}")
+    return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def _target_names(cfg: dict[str, Any], known: dict[str, Target]) -> list[str]:
+    names = cfg.get("target_modules")
+    if isinstance(names, str):  # PEFT also takes a regex or "all-linear"; only explicit names are supported
+        raise ValueError(f"{CONFIG_FILE}: target_modules must be a list of module names, got {names!r}")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"{CONFIG_FILE}: unknown target modules {unknown} (supported: {sorted(known)})")
+    return sorted(set(names), key=list(known).index)  # kvgate's order: q, k, v, o, gate, up, down
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    path = directory / WEIGHTS_FILE
+    try:
+        return load(path.read_bytes())  # whole file in memory: a truncated one fails here, not half-read
+    except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{WEIGHTS_FILE}: cannot be read ({e})") from None
+
+
+def _layer_indices(cfg: dict[str, Any], num_layers: int) -> set[int]:
+    chosen = cfg.get("layers_to_transform")
+    if chosen is None:
+        return set(range(num_layers))
+    chosen = [chosen] if isinstance(chosen, int) else chosen
+    if not isinstance(chosen, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in chosen):
+        raise ValueError(f"{CONFIG_FILE}: layers_to_transform must name layers in [0, {num_layers})")
+    return set(chosen)
+
+
+def _pairs(sd: dict[str, torch.Tensor], names: list[str], layers: set[int], known: dict[str, Target],
+           r: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, module) -> (A (r, in), B (out, r)) fp32, every key and shape checked."""
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, w in sd.items():
+        m = _KEY_RE.fullmatch(key)
+        if m is None or m.group(3) not in names or int(m.group(1)) not in layers \
+                or known[m.group(3)].module != m.group(2):
+            raise ValueError(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (targets {names}, layers "
+                             f"{min(layers)}..{max(layers)})")
+        found[(int(m.group(1)), m.group(3), m.group(4))] = w
+    out = {}
+    for i in sorted(layers):
+        for name in names:
+            t = known[name]
+            a, b = found.get((i, name, "A")), found.get((i, name, "B"))
+            if a is None or b is None:
+                raise ValueError(f"{WEIGHTS_FILE}: layer {i} {name} lacks lora_{'A' if a is None else 'B'}")
+            for w, want, ab in ((a, (r, t.in_features), "A"), (b, (t.hi - t.lo, r), "B")):
+                if tuple(w.shape) != want:
+                    raise ValueError(f"{WEIGHTS_FILE}: layer {i} {name}.lora_{ab} has shape {tuple(w.shape)}, "
+                                     f"the base model needs {want} (rank {r})")
+                if not w.is_floating_point() or not bool(torch.isfinite(w).all()):
+                    raise ValueError(f"{WEIGHTS_FILE}: layer {i} {name}.lora_{ab} is not finite floating point")
+            out[(i, name)] = (a.float().contiguous(), b.float().contiguous())
+    return out
+
+
+def load_adapter(directory: Path, name: str, base: LlamaConfig, device: torch.device | None = None) -> LoraAdapter:
+    """Read, check and map one adapter directory; raises ValueError saying what is wrong (nothing is kept)."""
+    if not directory.is_dir():
+        raise ValueError(f"adapter {name!r}: no directory {directory}")
+    cfg = read_config(directory)
+    r, scale = _rank_and_scale(cfg)
+    known = targets(base)
+    names = _target_names(cfg, known)
+    layers = _layer_indices(cfg, base.num_hidden_layers)
+    pairs = _pairs(read_weights(directory), names, layers, known, r)
+    dev = device or torch.device("cpu")
+    built: list[dict[str, LoraProj]] = [{} for _ in range(base.num_hidden_layers)]
+    for i in sorted(layers):
+        by_proj: dict[str, list[str]] = {}
+        for n in names:
+            by_proj.setdefault(known[n].proj, []).append(n)
+        for proj, mods in by_proj.items():
+            a = torch.cat([pairs[(i, n)][0] for n in mods]).to(dev).contiguous()  # (len(mods) * r, in)
+            slices = tuple(LoraSlice(known[n].lo, known[n].hi, j * r, (j + 1) * r, pairs[(i, n)][1].to(dev))
+                           for j, n in enumerate(mods))
+            built[i][proj] = LoraProj(a, slices)
+    nbytes = sum(p.a.nbytes + sum(s.b.nbytes for s in p.slices) for layer in built for p in layer.values())
+    return LoraAdapter(name, r, scale, tuple(built), nbytes)

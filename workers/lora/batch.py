@@ -1,0 +1,58 @@
+"""One step's LoRA work: which rows of the flat batch belong to which adapter, and the per-row delta
+``y[row] += (B_a (A_a x[row])) * scale_a`` on every projection adapter ``a`` targets.
+
+Determinism: a row's result must not depend on what shares its step. torch's matmul (MKL) sums in an order that
+depends on the row count, so the shrink (x A^T) and the expand (h B^T) run through the fixed-order fp32 kernel of
+``--quantization none`` (``flinear``, kernels_cupy/cpu/fgemm.h), whose every output element is one fixed chain of
+FMAs whatever M. Rows are gathered per adapter (an exact copy), and the delta is added to the base output row by
+row in fp32 (one rounding per element), so a row's bits are the same alone or beside any rows of any adapters.
+Base rows are not touched at all. Without the kernel (no C++ build, CUDA) torch's F.linear runs, which is not
+batch-invariant, like the base linears there.
+
+This is the Python path of a later C++/CUDA kernel (BGMV/SGMV style): one shrink and one expand per adapter group
+and projection, a Python loop over adapters; steps with LoRA rows do not use the C++ decode stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from workers.lora.adapter import LoraAdapter
+
+
+class LoraBatch:
+    """Row groups of one step, one per adapter present (base rows belong to none)."""
+
+    def __init__(self, groups: Sequence[tuple[LoraAdapter, torch.Tensor]], kernel: Any | None) -> None:
+        self.groups = list(groups)  # (adapter, rows (n,) int64 of the flat batch)
+        self._kernel = kernel
+
+    @staticmethod
+    def build(row_adapters: Mapping[str, list[int]], adapters: Mapping[str, LoraAdapter], kernel: Any | None,
+              device: torch.device) -> LoraBatch | None:
+        """``row_adapters``: adapter name -> its rows of the flat batch; None when no row uses an adapter."""
+        groups = [(adapters[name], torch.tensor(rows, dtype=torch.int64, device=device))
+                  for name, rows in row_adapters.items() if rows]
+        return LoraBatch(groups, kernel) if groups else None
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (n, in) @ (out, in)^T -> (n, out)
+        if self._kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            out: torch.Tensor = self._kernel.flinear(x.contiguous(), w, None)
+            return out
+        return F.linear(x.float(), w)
+
+    def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y (T, out) += each adapter's delta on its own rows of x (T, in), in place."""
+        for adapter, rows in self.groups:
+            p = adapter.layers[layer].get(proj)
+            if p is None:
+                continue
+            h = self._linear(x.index_select(0, rows).float(), p.a)  # (n, n_targets * r): every target's shrink
+            for s in p.slices:
+                d = self._linear(h[:, s.r_lo:s.r_hi], s.b)  # (n, hi - lo)
+                d.mul_(adapter.scale)  # PEFT's order: (B (A x)) * scale, then added to the base output
+                y[rows, s.lo:s.hi] += d.to(y.dtype)
