@@ -45,6 +45,7 @@ class RequestSpec:
     drop: Drop | None = None
     api_key: str | None = None  # another key than the load's own
     read_pause_s: float = 0.0  # sleep between events read (a slow consumer)
+    send_after_s: float = 0.0  # open-loop load: sent this long after its run began (arrivals on a schedule)
 
 
 @dataclass
@@ -165,6 +166,8 @@ class LoadGenerator:
 
     async def _one(self, client: httpx.AsyncClient, limiter: trio.CapacityLimiter, spec: RequestSpec,
                    out: Outcome) -> None:
+        if spec.send_after_s > 0:
+            await trio.sleep(spec.send_after_s)
         async with limiter:
             self.in_flight += 1
             out.kind, out.started = "hung", trio.current_time()

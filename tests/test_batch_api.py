@@ -301,3 +301,16 @@ def test_two_gateways_on_one_postgresql_run_each_batch_once(tiny_model_dir: Path
         for s in servers.values():
             s.stop()
     assert "Traceback" not in a.log() + b.log()
+
+
+def test_an_upload_over_64_kib_of_jsonl_is_read_whole() -> None:
+    """werkzeug's multipart decoder bounds its buffer (a 64 KiB read plus the tail it keeps back at a line break)
+    by max_form_memory_size; at 64 KiB a JSONL file was refused ("too large a field") whenever a read ended just
+    after a line break: 1.1 MB of batch lines failed every time. Unit-level: the gateway's own form reader."""
+    from gateway.api.files_routes import _read_form
+
+    data = _jsonl([_line(i, max_tokens=48, prefix="long-custom-id-to-vary-the-offsets") for i in range(12_000)])
+    request = httpx.Request("POST", "http://gateway/v1/files", data={"purpose": "batch"},
+                            files={"file": ("big.jsonl", data, "application/jsonl")})
+    purpose, upload = _read_form(request.read(), request.headers["content-type"])
+    assert purpose == "batch" and upload is not None and upload[1] == data

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from chaos.drills.base import Drill
 from chaos.drills.bad_input import BadInput
+from chaos.drills.batch_interactive import BatchInteractive
+from chaos.drills.batch_kills import BatchKills
 from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.gateway_kill import GatewayKill
 from chaos.drills.hostile_schemas import HostileSchemas
@@ -19,10 +21,11 @@ from chaos.drills.worker_hijack import WorkerHijack
 
 
 def all_drills() -> list[Drill]:
-    # Issue 24's drills (hostile-schemas, stalled-streams, worker-hijack) follow the first issue's eleven.
+    # Issue 24's drills (hostile-schemas, stalled-streams, worker-hijack) follow the first issue's eleven, then
+    # issue 26's (batch-interactive, batch-kills).
     return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
             StoreTrouble(), GatewayKill(), BadInput(), RollingRestart(), HostileSchemas(),
-            StalledStreams(), WorkerHijack()]
+            StalledStreams(), WorkerHijack(), BatchInteractive(), BatchKills()]
 
 
 def by_name() -> dict[str, Drill]:

@@ -37,6 +37,10 @@ log = logging.getLogger("kvgate.gateway.batches")
 FILES_PATH = "/v1/files"
 UPLOAD_LIMIT_KEY = "KVGATE_UPLOAD_LIMIT"  # app.config: the body limit of an upload (file + multipart framing)
 MULTIPART_ALLOWANCE = 64 * 1024  # the framing and the purpose field around the file's bytes
+# werkzeug's decoder applies its memory bound to its buffer, file parts included: each 64 KiB read plus the tail it
+# keeps back (a line break that may begin the boundary). At 64 KiB a JSONL file over 64 KiB was refused whenever a
+# read ended just after one of its line breaks; this bound lets every read through and still caps a text field.
+FORM_MEMORY = 64 * 1024 + 4096
 MAX_FILENAME_CHARS = 255
 MAX_LIST_LIMIT = 10_000  # OpenAI's (and its default)
 PURPOSES = ("batch", "batch_output")  # uploaded input files; a batch's output and error files
@@ -97,7 +101,7 @@ def _read_form(raw: bytes, content_type: str) -> tuple[str | None, tuple[str, by
     mimetype, options = parse_options_header(content_type)
     if mimetype != "multipart/form-data":
         raise bad_request("the body must be multipart/form-data with a 'file' and a 'purpose'")
-    parser = FormDataParser(stream_factory=_in_memory, max_form_memory_size=MULTIPART_ALLOWANCE, max_form_parts=16)
+    parser = FormDataParser(stream_factory=_in_memory, max_form_memory_size=FORM_MEMORY, max_form_parts=16)
     try:
         _, form, files = parser.parse(io.BytesIO(raw), mimetype, len(raw), options)
     except RequestEntityTooLarge:
