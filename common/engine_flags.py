@@ -69,6 +69,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("scheduling_policy", str, "priority", "priority (default): a request's priority (lower sooner) orders the "
                                                "queue and may preempt worse-placed ones; fcfs: every request at 0",
          choices=("fcfs", "priority")),
+    Flag("background_prefill_tokens", int, None, "prompt tokens a step gives requests placed below 0 (priority > 0: "
+                                                 "the batch tier, Batch API lines), so a step an interactive request "
+                                                 "arrives during stays short (default: a 32nd of the step "
+                                                 "budget)", minimum=1),
     Flag("speculative_config", speculative_arg, None,
          'n-gram speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, '
          '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (optional: disable_by_batch_size, '
@@ -90,7 +94,7 @@ OFFLINE: Mapping[str, str] = {
     "no_prefix_caching": "enable_prefix_caching",  # negated
     "enforce_eager": "enforce_eager",
     "num_threads": "num_threads", "seed": "seed", "speculative_config": "speculative_config",
-    "scheduling_policy": "scheduling_policy",
+    "scheduling_policy": "scheduling_policy", "background_prefill_tokens": "background_prefill_tokens",
     "lora_dir": "lora_dir", "max_loras": "max_loras", "max_cpu_loras": "max_cpu_loras",
 }
 PROCESS_ONLY = {"target_step_ms": "the worker sizes its step budget at start; the offline LLM takes "

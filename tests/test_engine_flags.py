@@ -26,7 +26,7 @@ SAMPLES: dict[str, list[str]] = {
     "max_num_batched_tokens": ["--max-num-batched-tokens", "256"], "target_step_ms": ["--target-step-ms", "250"],
     "no_prefix_caching": ["--no-prefix-caching"], "num_threads": ["--num-threads", "2"], "seed": ["--seed", "7"],
     "speculative_config": ["--speculative-config", SPEC], "scheduling_policy": ["--scheduling-policy", "fcfs"],
-    "enforce_eager": ["--enforce-eager"],
+    "enforce_eager": ["--enforce-eager"], "background_prefill_tokens": ["--background-prefill-tokens", "64"],
     "lora_dir": ["--lora-dir", "/srv/adapters"], "max_loras": ["--max-loras", "2"],
     "max_cpu_loras": ["--max-cpu-loras", "16"],
 }

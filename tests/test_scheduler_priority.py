@@ -32,7 +32,10 @@ def mk(rid: str, n: int, priority: int = 0, *, t: float = 0.0, salt: str | None 
 
 def sched(*, blocks: int = 64, bs: int = 4, seqs: int = 8, budget: int = 32, policy: str = "priority",
           clock: Clock | None = None) -> Scheduler:
-    return Scheduler(SchedulerConfig(seqs, budget, policy=policy), BlockManager(blocks, bs), clock or Clock())
+    # The background prefill budget (prompt chunks of requests above 0) as large as the step's: these tests are
+    # about order, aging and preemption; tests/test_scheduler_background.py covers the cap.
+    return Scheduler(SchedulerConfig(seqs, budget, policy=policy, background_prefill_tokens=budget),
+                     BlockManager(blocks, bs), clock or Clock())
 
 
 def plan(out: SchedulerOutput) -> dict[str, int]:
@@ -102,8 +105,16 @@ def test_fcfs_refuses_priorities_and_keeps_admission_order() -> None:
 @given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([-1, 0, 0, 5, 100]), st.integers(1, 6),
                           st.integers(0, 3)), min_size=1, max_size=24))
 def test_random_workloads_end_exactly_once(reqs: list[tuple[int, int, int, int]]) -> None:
+    check_random_workload(reqs, background=None)
+
+
+def check_random_workload(reqs: list[tuple[int, int, int, int]], background: int | None) -> None:
+    """Every request ends exactly once, blocks are held by running requests only (``background``: the background
+    prefill budget; None: as large as the step's)."""
     clock = Clock()
     s = sched(blocks=20, bs=4, seqs=4, budget=16, clock=clock)
+    if background is not None:
+        s.config = SchedulerConfig(4, 16, background_prefill_tokens=background)
     pending = [mk(f"r{i}", n, p, t=float(i), salt=f"s{salt}", out=o) for i, (n, p, o, salt) in enumerate(reqs)]
     finished: list[str] = []
     for k in range(5_000):
@@ -116,7 +127,8 @@ def test_random_workloads_end_exactly_once(reqs: list[tuple[int, int, int, int]]
         reported = s.update_from_output(out, {x.request.request_id: SampledToken(7) for x in out.scheduled
                                               if x.samples})
         finished += [o.request_id for o in reported if o.finished]
-        held = sum(len(s.bm.block_table(r.request_id)) for r in s.running)
+        # distinct blocks: requests of one salt whose prompts share a prefix share its cached blocks
+        held = len({b for r in s.running for b in s.bm.block_table(r.request_id)})
         assert s.bm.num_free_blocks + held <= s.bm.num_blocks  # blocks are held by running requests only
         assert not {r.request_id for r in s.running} & {r.request_id for r in s.waiting}
         if not pending and not s.has_unfinished():

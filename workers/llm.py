@@ -38,7 +38,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  quantization: str = "auto", speculative_config: str | dict[str, Any] | None = None,
                  scheduling_policy: str = "priority", enforce_eager: bool = False, lora_dir: str | None = None,
-                 max_loras: int = 8, max_cpu_loras: int | None = None) -> None:
+                 max_loras: int = 8, max_cpu_loras: int | None = None,
+                 background_prefill_tokens: int | None = None) -> None:
         """``speculative_config``: vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3}`` (a dict or its JSON); bad values raise ValueError. ``lora_dir``: PEFT LoRA
         adapters, one subdirectory each, that ``generate(..., lora=name)`` runs with."""
@@ -49,7 +50,7 @@ class LLM:
             CacheConfig(block_size, kv_cache_tokens, gpu_memory_utilization, enable_prefix_caching,
                         kv_cache_dtype, kv_cache_bytes),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, _speculative(speculative_config),
-                            scheduling_policy, max_loras),
+                            scheduling_policy, max_loras, background_prefill_tokens),
             LoraConfig(lora_dir, max_cpu_loras))
         self.engine: LLMEngine
         self.engine, directory = engine_from_config(self.config)

@@ -30,5 +30,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         CacheConfig(a.block_size, a.kv_cache_tokens, 0.9, not a.no_prefix_caching, a.kv_cache_dtype,
                                     None if gib is None else int(gib * 2**30)),
                         SchedulerConfig(a.max_num_seqs, 512 if budget is None else budget, speculative,
-                                        a.scheduling_policy, a.max_loras),
+                                        a.scheduling_policy, a.max_loras, a.background_prefill_tokens),
                         LoraConfig(a.lora_dir, a.max_cpu_loras))

@@ -134,11 +134,8 @@ class BlockManager:
         table = self._tables.get(req.request_id, [])
         if cached_blocks and table:
             raise RuntimeError(f"prefix blocks attached to {req.request_id}, which already holds blocks")
-        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(table) - len(cached_blocks)
-        # Hit blocks with no other user sit in the free list; touching them takes them out of it.
-        reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
-        if need > len(self._free) - reclaimed:
+        need = self._new_blocks(req, num_new_tokens, cached_blocks)
+        if need + self._reclaimed(cached_blocks) > len(self._free):
             return False
         for b in cached_blocks:
             self._touch(b)
@@ -146,6 +143,19 @@ class BlockManager:
         table.extend(cached_blocks)
         table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
+
+    def _new_blocks(self, req: Request, num_new_tokens: int, cached_blocks: Sequence[int]) -> int:
+        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        return self.blocks_needed(total) - len(self._tables.get(req.request_id, [])) - len(cached_blocks)
+
+    def _reclaimed(self, cached_blocks: Sequence[int]) -> int:
+        """Hit blocks with no other user sit in the free list; touching them takes them out of it."""
+        return sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+
+    def free_blocks_to_allocate(self, req: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
+        """How many free blocks ``allocate_slots`` with these arguments would take (new ones, and cached hits
+        that sit in the free list): what must be free for it to succeed."""
+        return max(self._new_blocks(req, num_new_tokens, cached_blocks), 0) + self._reclaimed(cached_blocks)
 
     def free(self, request_id: str) -> None:
         """Drop a request's references. Tail blocks are freed first so they are evicted before the

@@ -17,6 +17,8 @@ Under ``fcfs`` (the default of vLLM, not of kvgate) every request must have prio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from workers.core.request import Request
 
 POLICIES = ("fcfs", "priority")
@@ -24,18 +26,20 @@ AGING_S = 1.0
 
 
 def effective(req: Request, now: float) -> int:
-    """The level a waiting request competes at now (lower is sooner)."""
+    """The level a request competes at now (lower is sooner), waiting or running: one measure on both sides.
+    (Comparing running requests by their own priority and waiting ones by this let a preempted request, back in
+    the queue and aged, take its place again at once, step after step: a livelock the property test found.)"""
     aged = req.priority - int(max(0.0, now - req.arrival_time) / AGING_S)
     return max(aged, min(req.priority, 0))
 
 
-def running_order(req: Request) -> int:
-    """Best first (a stable sort: admission order within a level, as under fcfs): the token budget is spent in
-    this order; a preemption takes from the end, the worst-placed, most recently admitted."""
-    return req.priority
+def running_order(now: float) -> Callable[[Request], int]:
+    """Best first by effective level (a stable sort: admission order within a level, as under fcfs): the token
+    budget is spent in this order; a preemption takes from the end, the worst-placed, most recently admitted."""
+    return lambda req: effective(req, now)
 
 
-def holds_back(running: Request, best_waiting: int | None) -> bool:
+def holds_back(running: Request, best_waiting: int | None, now: float) -> bool:
     """Whether ``running``'s prefill chunk waits this step for a better-placed arrival."""
     prefilling = running.num_computed_tokens < running.num_tokens - 1
-    return best_waiting is not None and prefilling and running.priority > best_waiting
+    return best_waiting is not None and prefilling and effective(running, now) > best_waiting

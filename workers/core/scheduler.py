@@ -30,6 +30,19 @@ class SchedulerConfig:
     # Distinct LoRA adapters one step may run (vLLM's max_loras; base rows do not count): a request whose adapter
     # would be one more waits for a step with room (a running one keeps its blocks, a waiting one its place)
     max_loras: int = 8
+    # Prompt tokens a step gives requests placed below 0 (priority > 0: the batch tier, Batch API lines, callers
+    # who asked to go later). A step is never interrupted, so an interactive arrival waits out the step under
+    # way: a step full of background prompt chunks (~500 ms on a CPU) was the whole of interactive TTFT p99
+    # beside a batch job (bench/RESULTS.md, issue 26). Capped, such a step stays short; their decodes are not
+    # capped (one token each). None: a 32nd of max_num_batched_tokens, about 16 ms of a 500 ms CPU step
+    # (measured with a 1,108-token budget, TTFT p99 beside a batch / idle: a quarter 1.4x, a sixteenth 1.3x,
+    # 32 tokens 0.7x; batch output unchanged in each: a batch is decode-bound).
+    background_prefill_tokens: int | None = None
+
+    @property
+    def background_budget(self) -> int:
+        cap = self.background_prefill_tokens
+        return max(1, self.max_num_batched_tokens // 32) if cap is None else cap
 
     def __post_init__(self) -> None:
         if self.policy not in priority.POLICIES:
@@ -40,6 +53,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.background_prefill_tokens is not None and self.background_prefill_tokens < 1:
+            raise ValueError(f"background_prefill_tokens must be >= 1, got {self.background_prefill_tokens}")
 
 
 class Scheduler:
@@ -56,6 +71,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_counters = SpecCounters()
+        self._background_left = 0  # this step's prompt tokens still open to background requests (schedule)
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -100,9 +116,10 @@ class Scheduler:
         best_waiting: int | None = None
         made_room: list[str] = []
         if self.config.policy == "priority":
-            self.running.sort(key=priority.running_order)  # stable: equal ones keep their admission order
+            self.running.sort(key=priority.running_order(self.clock()))  # stable: equal ones keep admission order
             best_waiting, made_room = self._make_room_for_the_best_waiting()
         loras: set[str] = set()  # the adapters this step runs so far
+        self._background_left = self.config.background_budget
         budget = self._schedule_running(budget, scheduled, preempted, best_waiting, loras)
         if not preempted:  # a step that had to preempt admits nobody new
             budget = self._schedule_waiting(budget, scheduled, loras)
@@ -123,8 +140,12 @@ class Scheduler:
         if head is None or rank is None:
             return None, []
         level, preempted = rank(head), []
-        need = self.bm.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens))
-        while self.running and self.running[-1].priority > level and (
+        # What its first chunk takes from the free list, its prefix hits included: a hit block no one holds is
+        # in the free list too (counting only the new blocks once left it held back and never admitted)
+        hits = [] if head.needs_prompt_logprobs else self.bm.find_cached_prefix(head)
+        first = min(head.num_tokens - len(hits) * self.bm.block_size, self.config.max_num_batched_tokens)
+        need = self.bm.free_blocks_to_allocate(head, first, hits)
+        while self.running and rank(self.running[-1]) > level and (
                 len(self.running) >= self.config.max_num_seqs or self.bm.num_free_blocks < need):
             victim = self.running.pop()
             self._preempt(victim)
@@ -143,13 +164,14 @@ class Scheduler:
     def _schedule_running(self, budget: int, out: list[ScheduledRequest], preempted: list[str],
                           best_waiting: int | None = None, loras: set[str] | None = None) -> int:
         loras = set() if loras is None else loras
+        now = self.clock()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if priority.holds_back(req, best_waiting) or not self._lora_fits(req, loras):
-                i += 1  # waits a step: for the better-placed arrival, or for room among the step's adapters
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._background_cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0 or priority.holds_back(req, best_waiting, now) or not self._lora_fits(req, loras):
+                i += 1  # waits a step: for the better-placed arrival, room among the step's adapters, or (a
+                continue  # background prompt chunk) the background budget of the next step
             draft = self._draft(req, budget) if n == 1 else []
             # A draft never preempts anyone: it runs only where its blocks are free with one block to spare
             # for every request after it (each may need a new block this step).
@@ -167,9 +189,25 @@ class Scheduler:
                 if victim is req:
                     return budget
             out.append(ScheduledRequest(req, n, self.bm.block_table(req.request_id)))
+            self._take_background(req, n)
             budget -= n
             i += 1
         return budget
+
+    @staticmethod
+    def _is_background_prefill(req: Request) -> bool:
+        """A request placed below 0 with more than its next token to compute (a prompt chunk, or a recompute
+        after preemption): not a decode."""
+        return req.priority > 0 and req.num_tokens - req.num_computed_tokens > 1
+
+    def _background_cap(self, req: Request, n: int) -> int:
+        """``n`` tokens of ``req`` this step, cut to the background budget left where it is a background prefill
+        (0: none left this step). Decodes are never cut."""
+        return min(n, self._background_left) if self._is_background_prefill(req) else n
+
+    def _take_background(self, req: Request, n: int) -> None:
+        if self._is_background_prefill(req):
+            self._background_left = max(0, self._background_left - n)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The n-gram draft for a decoding request, within the token budget, the context limit and its
@@ -218,7 +256,10 @@ class Scheduler:
             if req.lora is not None and req.lora not in loras and len(loras) >= self.config.max_loras:
                 deferred.add(queue_key(req))  # its adapter would be one too many this step; other queues go on
                 continue
-            n = min(req.num_tokens - len(hits) * bs, budget)
+            n = self._background_cap(req, min(req.num_tokens - len(hits) * bs, budget))
+            if n == 0:
+                deferred.add(queue_key(req))  # no background prompt tokens left this step; other queues go on
+                continue
             if not self.bm.allocate_slots(req, n, hits):
                 break  # doesn't fit now: wait for running requests to finish (no skipping ahead)
             if req.lora is not None:
@@ -235,6 +276,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(ScheduledRequest(req, n, self.bm.block_table(req.request_id)))
+            self._take_background(req, n)
             inflight.update(self.bm.uncomputed_prompt_hashes(req))
             budget -= n
         return budget
