@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from urllib.parse import urlsplit
 
 import psutil
@@ -34,6 +35,17 @@ def listening_pid(url: str) -> int | None:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
             return int(c.pid)
     return None
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a process this code started, then kill it if it has not gone in 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def worker_pids(gateway_pid: int) -> list[int]:

@@ -85,12 +85,3 @@ def complete(server: Server, max_tokens: int = 5) -> httpx.Response:
             "ignore_eos": True}
     return httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120)
 
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.curve_support import WORKER_START_S, KeySet, make_keys, start_worker, stop_process, wait_for
+from chaos.procs import stop_process
+from tests.curve_support import WORKER_START_S, KeySet, make_keys, start_worker, wait_for
 from tests.test_gateway_support import ADMIN_TOKEN, MAX_MODEL_LEN, MODEL, REPO, deployment_env
 
 pytestmark = pytest.mark.timeout(600)

@@ -25,8 +25,9 @@ from ipc.curve import ClientCurve, KeyPair, apply_client, is_local_endpoint, loa
 from ipc.messages import PROTOCOL_VERSION, Hello, Refused
 from ipc.sync_transport import worker_dealer
 from workers.worker import default_worker_id
-from tests.curve_support import (WORKER_START_S, KeySet, complete, kvgate_keys, make_keys, start_worker,
-                                 stop_process, wait_for, worker_ids)
+from chaos.procs import stop_process
+from tests.curve_support import (WORKER_START_S, KeySet, complete, kvgate_keys, make_keys, start_worker, wait_for,
+                                 worker_ids)
 from tests.test_gateway_support import MODEL, REPO, Server, deployment_env, finish_start, free_port, start_server
 
 pytestmark = pytest.mark.timeout(600)

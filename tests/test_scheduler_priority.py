@@ -31,11 +31,11 @@ def mk(rid: str, n: int, priority: int = 0, *, t: float = 0.0, salt: str | None 
 
 
 def sched(*, blocks: int = 64, bs: int = 4, seqs: int = 8, budget: int = 32, policy: str = "priority",
-          clock: Clock | None = None) -> Scheduler:
-    # The background prefill budget (prompt chunks of requests above 0) as large as the step's: these tests are
-    # about order, aging and preemption; tests/test_scheduler_background.py covers the cap.
-    return Scheduler(SchedulerConfig(seqs, budget, policy=policy, background_prefill_tokens=budget),
-                     BlockManager(blocks, bs), clock or Clock())
+          clock: Clock | None = None, background: int | None = None) -> Scheduler:
+    # background: the background prefill budget (prompt chunks of requests above 0); None: as large as the step's,
+    # since these tests are about order, aging and preemption (tests/test_scheduler_background.py covers the cap)
+    cfg = SchedulerConfig(seqs, budget, policy=policy, background_prefill_tokens=background or budget)
+    return Scheduler(cfg, BlockManager(blocks, bs), clock or Clock())
 
 
 def plan(out: SchedulerOutput) -> dict[str, int]:
@@ -112,9 +112,7 @@ def check_random_workload(reqs: list[tuple[int, int, int, int]], background: int
     """Every request ends exactly once, blocks are held by running requests only (``background``: the background
     prefill budget; None: as large as the step's)."""
     clock = Clock()
-    s = sched(blocks=20, bs=4, seqs=4, budget=16, clock=clock)
-    if background is not None:
-        s.config = SchedulerConfig(4, 16, background_prefill_tokens=background)
+    s = sched(blocks=20, bs=4, seqs=4, budget=16, clock=clock, background=background)
     pending = [mk(f"r{i}", n, p, t=float(i), salt=f"s{salt}", out=o) for i, (n, p, o, salt) in enumerate(reqs)]
     finished: list[str] = []
     for k in range(5_000):

@@ -37,12 +37,18 @@ def tok() -> GatewayTokenizer:
     return GatewayTokenizer(resolve_model_dir("smollm2"))
 
 
+def _with_template(tmp_path_factory: pytest.TempPathFactory, tok: GatewayTokenizer, name: str,
+                   template: str) -> GatewayTokenizer:
+    """smollm2's tokenizer under another model family's chat template."""
+    d = tmp_path_factory.mktemp(name)
+    (d / "tokenizer.json").write_bytes((tok.directory / "tokenizer.json").read_bytes())
+    (d / "chat_template.jinja").write_text(template)
+    return GatewayTokenizer(d)
+
+
 @pytest.fixture(scope="module")
 def hermes_tok(tmp_path_factory: pytest.TempPathFactory, tok: GatewayTokenizer) -> GatewayTokenizer:
-    d = tmp_path_factory.mktemp("hermes")
-    (d / "tokenizer.json").write_bytes((tok.directory / "tokenizer.json").read_bytes())
-    (d / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return GatewayTokenizer(d)
+    return _with_template(tmp_path_factory, tok, "hermes", HERMES_TEMPLATE)
 
 
 def _chat(tok: GatewayTokenizer, **fields: Any) -> Any:
@@ -232,10 +238,7 @@ LLAMA_TEMPLATE = (Path(__file__).parent / "data" / "llama3_json_template.jinja")
 
 @pytest.fixture(scope="module")
 def llama_tok(tmp_path_factory: pytest.TempPathFactory, tok: GatewayTokenizer) -> GatewayTokenizer:
-    d = tmp_path_factory.mktemp("llama-json")
-    (d / "tokenizer.json").write_bytes((tok.directory / "tokenizer.json").read_bytes())
-    (d / "chat_template.jinja").write_text(LLAMA_TEMPLATE)
-    return GatewayTokenizer(d)
+    return _with_template(tmp_path_factory, tok, "llama-json", LLAMA_TEMPLATE)
 
 
 def test_llama_json_format_prompt_grammar_and_parser(llama_tok: GatewayTokenizer, ll_tok: Any) -> None:

@@ -31,7 +31,7 @@ from chaos.drills.base import Drill, DrillContext, Sizing, prompt_ids, quiet_che
 from chaos.drills.streams import COMPLETIONS
 from chaos.load import Outcome, RequestSpec
 from chaos.metrics import Snapshot, scrape
-from chaos.procs import alive
+from chaos.procs import alive, stop_process
 from chaos.target import still_serves
 from chaos.verdict import Check, DrillResult, check, equal
 from ipc.curve import create_key_files, load_public_key
@@ -104,7 +104,7 @@ class WorkerHijack(Drill):
             result.add(*await quiet_checks(ctx, within=60.0))
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_stop, good)
+                await trio.to_thread.run_sync(stop_process, good)
 
     def _start_good(self, deployment: Deployment) -> subprocess.Popen[bytes]:
         """``kvgate worker`` with key ``good`` (the README's remote worker), on this host, in the deployment's
@@ -211,12 +211,3 @@ class WorkerHijack(Drill):
                 check("the unlisted key's refusal logged with its key",
                       f"refused a worker: public key {intruder}" in log, intruder[:12] + "...")]
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
