@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.curve_support import stop_process
+from chaos.procs import stop_process
 from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, REPO, Server, deployment_env, finish_start,
                                         free_port, metric_sum, start_server, tiny_model_dir)  # noqa: F401
 from tests.waiting import wait_until
