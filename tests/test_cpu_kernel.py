@@ -74,7 +74,7 @@ def _cache(nb: int, bs: int, hkv: int, d: int, dtype: torch.dtype, g: torch.Gene
     return kv_quant.to_cache(torch.randn(nb, bs, hkv, d, generator=g) * 2, dtype)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "auto"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "auto"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("hq,hkv,lens", [(4, 1, [1000]), (9, 3, [300]), (4, 1, [1000, 1]), (2, 1, [130, 7]),
                                          (8, 2, [128, 129, 256, 257, 511])])
@@ -82,10 +82,11 @@ def test_long_contexts_are_chunked_and_merged_exactly(backend, hq: int, hkv: int
                                                       lens: list[int], kv_dtype: torch.dtype, isa: str) -> None:
     """Contexts longer than one kernel chunk (cut at fixed positions, partials merged in chunk order), lengths
     on and either side of chunk boundaries, split into work items per chunk or not (few rows, 4 threads): the
-    reference's answer. Both bodies: the portable loops ("scalar") and, where built, the AVX2 one ("auto")."""
+    reference's answer. Every body: the portable loops ("scalar") and, where built, the AVX2 and AVX-512 ones
+    ("auto" is the widest)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
-    backend._mod.set_kv_isa(isa)
+    _use_isa(backend, isa)
     try:
         g = torch.Generator().manual_seed(sum(lens) + hq)
         d, bs = 32, 16
@@ -136,14 +137,23 @@ def _others(n: int, nb: int, bs: int, g: torch.Generator) -> tuple[list[list[int
     return tables, lens
 
 
-@pytest.mark.parametrize("isa", ["scalar", "auto"])
+def _use_isa(backend, isa: str) -> None:  # type: ignore[no-untyped-def]
+    """Selects an attention body; skips where this CPU (or its -march=native build) has none of that kind."""
+    try:
+        backend._mod.set_kv_isa(isa)
+    except RuntimeError as e:
+        pytest.skip(f"no {isa} body here: {e}")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "auto"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(backend, kv_dtype: torch.dtype,  # type: ignore[no-untyped-def]
                                                            isa: str) -> None:
     """kvgate's rule: a row's output is bit-identical alone, among 1..64 rows of other sequences (other lengths,
-    grouped prefill rows among them), next to the rows of its own prefill chunk, at 1, 2 or 4 threads."""
+    grouped prefill rows among them), next to the rows of its own prefill chunk, at 1, 2 or 4 threads. "auto" is
+    the AVX-512 body where the CPU has one."""
     threads = torch.get_num_threads()
-    backend._mod.set_kv_isa(isa)
+    _use_isa(backend, isa)
     g = torch.Generator().manual_seed(11)
     hq, hkv, d, bs, nb = 9, 3, 64, 16, 400
     kc, vc = _cache(nb, bs, hkv, d, kv_dtype, g), _cache(nb, bs, hkv, d, kv_dtype, g)
@@ -254,3 +264,35 @@ def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # t
                             meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
     with pytest.raises(RuntimeError, match="slot out of range"):
         backend.write_kv(k, v, torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d), bad)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 128), (12, 2, 32), (4, 4, 16), (32, 8, 128), (14, 2, 64)])
+def test_the_avx512_body_gives_the_avx2_bodys_bits(backend, hq: int, hkv: int, d: int,  # type: ignore[no-untyped-def]
+                                                   kv_dtype: torch.dtype) -> None:
+    """The AVX-512 body (two FMA chains in one register, eight scores reduced at once by hsum8's tree, V rows
+    widened once for several query heads) is the AVX2 body's arithmetic: bit-identical outputs, for decode rows
+    and a prefill chunk's grouped rows, query heads a pass of 1 to 8 (GB < G), every cache dtype, 1 and 2
+    threads. A CPU without AVX-512 runs the AVX2 body only and has nothing to compare."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(hq * 1000 + d)
+    n, bs = 9, 16
+    nb = n * 13 + 1
+    kc, vc = _cache(nb, bs, hkv, d, kv_dtype, g), _cache(nb, bs, hkv, d, kv_dtype, g)
+    tables = torch.randperm(nb - 1, generator=g).add(1).reshape(n, -1).tolist()
+    lens = [int(x) for x in torch.randint(1, 200, (n,), generator=g)]
+    tables[4:7] = [tables[6]] * 3  # rows 4..6: one prefill chunk's rows (grouped, shared K/V loads)
+    lens[4:7] = [150, 151, 157]
+    q = torch.randn(n, hq, d, generator=g)
+    out = {}
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for isa in ("avx2", "avx512"):
+                _use_isa(backend, isa)
+                out[isa, t] = _attend(backend, q, kc, vc, _meta(tables, lens), d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+        backend._mod.set_kv_isa("auto")
+    for t in (1, 2):
+        assert torch.equal(out["avx2", t], out["avx512", t]), (t, (out["avx2", t] - out["avx512", t]).abs().max())

@@ -28,7 +28,8 @@ def load() -> Any | None:
 
         # -ffp-contract=off in every CPU kernel build: the decode stack (stack.py) compiles these sources again
         # in one unit and must round exactly as they do.
-        headers = [_SRC.with_name(h) for h in ("paged_decode_avx2.h", "simd_exp.h", "kv_write.h")]
+        headers = [_SRC.with_name(h)
+                   for h in ("paged_decode_avx2.h", "paged_decode_avx512.h", "simd_exp.h", "kv_write.h")]
         return load_extension("kvgate_cpu_paged_decode", [_SRC], headers=headers,
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                               ldflags=["-fopenmp"])

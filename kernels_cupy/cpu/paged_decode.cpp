@@ -82,28 +82,48 @@ __attribute__((target("avx2"))) static void codes_avx2(const int8_t* c, float* o
 using CodesFn = void (*)(const int8_t*, float*, int64_t);
 static std::atomic<CodesFn> g_codes{nullptr};
 
-static CodesFn pick_codes(const std::string& isa) {
+// The AVX-512 attention body (paged_decode_avx512.h) instead of the AVX2 one: the same bits, fewer instructions.
+// Stored before g_codes, so whoever reads a set g_codes reads the flag that goes with it.
+static std::atomic<bool> g_wide{false};
+
+static CodesFn pick_codes(const std::string& isa, bool* wide) {
   const bool avx2 = __builtin_cpu_supports("avx2");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__)
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  const bool avx512 = false;  // not compiled in (the build is -march=native: this CPU has no AVX-512)
+#endif
+  *wide = false;
   if (isa == "scalar" || (isa == "auto" && !avx2)) return codes_scalar;
+  if (isa == "avx512" || (isa == "auto" && avx512)) {
+    TORCH_CHECK(avx512, "this CPU (or this build) has no AVX-512 attention body");
+    *wide = true;
+    return codes_avx2;
+  }
   if (isa == "avx2" || isa == "auto") {
     TORCH_CHECK(avx2, "this CPU has no AVX2");
     return codes_avx2;
   }
-  TORCH_CHECK(false, "kv isa must be auto, avx2 or scalar, got ", isa);
+  TORCH_CHECK(false, "kv isa must be auto, avx512, avx2 or scalar, got ", isa);
 }
 
-// Selects the int8 path; returns its name. KVGATE_KV_ISA (auto|avx2|scalar) sets the first choice.
+// Selects the attention body and int8 path; returns its name. KVGATE_KV_ISA (auto|avx512|avx2|scalar) sets the
+// first choice.
 std::string set_kv_isa(const std::string& isa) {
-  CodesFn f = pick_codes(isa);
+  bool wide = false;
+  CodesFn f = pick_codes(isa, &wide);
+  g_wide.store(wide);
   g_codes.store(f);
-  return f == codes_avx2 ? "avx2" : "scalar";
+  return wide ? "avx512" : f == codes_avx2 ? "avx2" : "scalar";
 }
 
 static CodesFn codes_fn() {
   CodesFn f = g_codes.load();
   if (f == nullptr) {
     const char* env = std::getenv("KVGATE_KV_ISA");
-    f = pick_codes(env != nullptr && *env ? env : "auto");
+    bool wide = false;
+    f = pick_codes(env != nullptr && *env ? env : "auto", &wide);
+    g_wide.store(wide);
     g_codes.store(f);
   }
   return f;
@@ -137,6 +157,7 @@ static inline float exp_neg(float x) {
 }
 
 #include "paged_decode_avx2.h"
+#include "paged_decode_avx512.h"
 
 // Positions per context chunk. A row's context is cut at multiples of kChunk (absolute positions), each chunk
 // gives a partial softmax, and the partials are merged in chunk order: what a row computes depends on its
@@ -195,12 +216,28 @@ static void attend_rows(const float* qn, const KV* kp, const KV* vp, const int32
 template <typename KV>
 static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
                          const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
-                         int64_t D, int64_t G, float sc, float* scores, float* tmp, float* slots) {
+                         int64_t D, int64_t G, float sc, float* scores, float* tmp, float* slots, int64_t pfw,
+                         float* red) {
   const int64_t CH = kChunk;
 #ifdef KVGATE_DECODE_AVX2
   if (codes_fn() == codes_avx2) {  // set_kv_isa("scalar") keeps the portable loops (tests compare the two)
+#ifdef KVGATE_DECODE_AVX512
+    if (g_wide.load()) {
+#define KVGATE_WIDE(Z) \
+  return avx512dec::attend_group<KV, Z>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots, \
+                                        pfw, red)
+      switch (D) {
+        case 16: KVGATE_WIDE(1);
+        case 32: KVGATE_WIDE(2);
+        case 64: KVGATE_WIDE(4);
+        case 128: KVGATE_WIDE(8);
+        default: break;
+      }
+#undef KVGATE_WIDE
+    }
+#endif
 #define KVGATE_GROUP(V) \
-  return avx2dec::attend_group<KV, V>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots)
+  return avx2dec::attend_group<KV, V>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots, pfw)
     switch (D) {
       case 16: KVGATE_GROUP(2);
       case 32: KVGATE_GROUP(4);
@@ -262,11 +299,14 @@ struct Call {
   int64_t S() const { return G * (D + 2); }  // one row's partial: acc (G, D), m (G), l (G)
 };
 
-// A thread's scratch: scores (kGroupRows, G, CH), tmp (D), slots and state (kGroupRows, G * (D + 2)).
+// A thread's scratch: scores (kGroupRows, G, CH), tmp (D), slots (kGroupRows, G * (D + 2)) for one KV head's
+// chunk, state (Hkv, kGroupRows, G * (D + 2)) for every head's running merge, red (kGroupRows, G, 8, 8) the
+// AVX-512 body's eight positions of unreduced dot products.
 struct Scratch {
-  std::vector<float> scores, tmp, slots, state;
-  Scratch(int64_t G, int64_t D)
-      : scores(kGroupRows * G * kChunk), tmp(D), slots(kGroupRows * G * (D + 2)), state(slots.size()) {}
+  std::vector<float> scores, tmp, slots, state, red;
+  Scratch(int64_t G, int64_t D, int64_t Hkv)
+      : scores(kGroupRows * G * kChunk), tmp(D), slots(kGroupRows * G * (D + 2)), state(Hkv * slots.size()),
+        red(kGroupRows * G * 64) {}
 };
 
 // Groups of up to kGroupRows consecutive rows whose lengths do not shrink and whose block tables agree over
@@ -287,7 +327,10 @@ static void row_groups(Call<KV>& c) {
 }
 
 // Chunk ch of group gi, KV head h: the partials of the group's rows that reach it, rows [rf, nr) of the group,
-// into s.slots (row r at r * S). Returns rf.
+// into s.slots (row r at r * S). Returns rf. A chunk's KV heads run back to back, head 0 first: a position's
+// rows of every head are contiguous (Hkv * W elements), so head 0 prefetches them all and the cache lines are
+// read in address order (the hardware prefetchers follow them), where one head's rows alone are W of every
+// Hkv * W elements (at Hkv = 3, fp16, D = 64: 128 bytes of every 384).
 template <typename KV>
 static int64_t run_chunk(const Call<KV>& c, int64_t gi, int64_t h, int64_t ch, Scratch& s) {
   const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0, t0 = ch * kChunk;
@@ -297,39 +340,43 @@ static int64_t run_chunk(const Call<KV>& c, int64_t gi, int64_t h, int64_t ch, S
   const int64_t t1 = std::min<int64_t>(t0 + kChunk, lens[nr - 1]);
   attend_group<KV>(c.q + ((r0 + rf) * c.Hq + h * c.G) * c.D, c.Hq * c.D, lens + rf, nr - rf, c.k, c.v,
                    c.bt + (r0 + nr - 1) * c.MAXB, t0, t1, c.BS, c.Hkv, h, c.W, c.D, c.G, c.sc, s.scores.data(),
-                   s.tmp.data(), s.slots.data() + rf * c.S());
+                   s.tmp.data(), s.slots.data() + rf * c.S(), h == 0 ? c.Hkv * c.W : 0, s.red.data());
   return rf;
 }
 
-// Work item (group gi, KV head h), every chunk: partials folded into each row's state in chunk order.
+// Work item: group gi, every KV head, every chunk: partials folded into each (head, row)'s state in chunk order.
 template <typename KV>
-static void run_group(const Call<KV>& c, int64_t gi, int64_t h, Scratch& s) {
+static void run_group(const Call<KV>& c, int64_t gi, Scratch& s) {
   const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0, S = c.S();
   for (int64_t ch = 0; ch < num_chunks(c.sl[r0 + nr - 1]); ++ch) {
-    const int64_t rf = run_chunk(c, gi, h, ch, s);
-    for (int64_t r = rf; r < nr; ++r) {
-      float* st = s.state.data() + r * S;
-      const float* part = s.slots.data() + r * S;
-      if (ch == 0) std::copy(part, part + S, st);
-      else fold(st, part, c.G, c.D);
+    for (int64_t h = 0; h < c.Hkv; ++h) {
+      const int64_t rf = run_chunk(c, gi, h, ch, s);
+      for (int64_t r = rf; r < nr; ++r) {
+        float* st = s.state.data() + (h * kGroupRows + r) * S;
+        const float* part = s.slots.data() + r * S;
+        if (ch == 0) std::copy(part, part + S, st);
+        else fold(st, part, c.G, c.D);
+      }
     }
   }
-  for (int64_t r = 0; r < nr; ++r) finish(s.state.data() + r * S, c.out + ((r0 + r) * c.Hq + h * c.G) * c.D, c.G, c.D);
+  for (int64_t h = 0; h < c.Hkv; ++h)
+    for (int64_t r = 0; r < nr; ++r)
+      finish(s.state.data() + (h * kGroupRows + r) * S, c.out + ((r0 + r) * c.Hq + h * c.G) * c.D, c.G, c.D);
 }
 
 // Items [0, n) handed to the threads one at a time: a prefill's later rows see longer contexts, so equal
 // static shares would leave a thread idle. f(item, scratch).
 template <typename F>
-static void for_items(int64_t n, int64_t G, int64_t D, const F& f) {
+static void for_items(int64_t n, int64_t G, int64_t D, int64_t Hkv, const F& f) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch s(G, D);
+    Scratch s(G, D, Hkv);
     for (int64_t w; (w = next.fetch_add(1)) < n;) f(w, s);
   });
 }
 
-// One item per (group, KV head), largest first.
+// One item per group, largest first.
 template <typename KV>
 static void run_whole(const Call<KV>& c) {
   const int64_t ng = static_cast<int64_t>(c.gstart.size()) - 1;
@@ -339,11 +386,11 @@ static void run_whole(const Call<KV>& c) {
     for (int64_t n = c.gstart[gi]; n < c.gstart[gi + 1]; ++n) work[gi] += c.sl[n];
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
-  for_items(ng * c.Hkv, c.G, c.D, [&](int64_t w, Scratch& s) { run_group(c, order[w / c.Hkv], w % c.Hkv, s); });
+  for_items(ng, c.G, c.D, c.Hkv, [&](int64_t w, Scratch& s) { run_group(c, order[w], s); });
 }
 
-// One item per (group, KV head, chunk) when there are too few groups to keep the threads busy (a single
-// stream has Hkv of them): partials into a buffer, then each row's merged in chunk order as run_group does.
+// One item per (group, chunk) when there are too few groups to keep the threads busy (a single stream has one):
+// partials into a buffer, then each row's merged in chunk order as run_group does.
 template <typename KV>
 static void run_split(const Call<KV>& c) {
   const int64_t S = c.S();
@@ -353,11 +400,12 @@ static void run_split(const Call<KV>& c) {
   for (int64_t gi = 0; gi + 1 < static_cast<int64_t>(c.gstart.size()); ++gi)
     for (int64_t ch = 0; ch < num_chunks(c.sl[c.gstart[gi + 1] - 1]); ++ch) chunks.emplace_back(gi, ch);
   std::vector<float> part(base[c.N] * c.Hkv * S);  // (partials, Hkv, S)
-  for_items(static_cast<int64_t>(chunks.size()) * c.Hkv, c.G, c.D, [&](int64_t w, Scratch& s) {
-    const int64_t gi = chunks[w / c.Hkv].first, ch = chunks[w / c.Hkv].second, h = w % c.Hkv;
+  for_items(static_cast<int64_t>(chunks.size()), c.G, c.D, c.Hkv, [&](int64_t w, Scratch& s) {
+    const int64_t gi = chunks[w].first, ch = chunks[w].second;
     const int64_t r0 = c.gstart[gi], nr = c.gstart[gi + 1] - r0;
-    for (int64_t r = run_chunk(c, gi, h, ch, s); r < nr; ++r)
-      std::copy_n(s.slots.data() + r * S, S, part.data() + ((base[r0 + r] + ch) * c.Hkv + h) * S);
+    for (int64_t h = 0; h < c.Hkv; ++h)
+      for (int64_t r = run_chunk(c, gi, h, ch, s); r < nr; ++r)
+        std::copy_n(s.slots.data() + r * S, S, part.data() + ((base[r0 + r] + ch) * c.Hkv + h) * S);
   });
   at::parallel_for(0, c.N * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> st(S);
@@ -403,7 +451,7 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cac
     total += w, largest = std::max(largest, w);
     most_chunks = std::max(most_chunks, num_chunks(c.sl[c.gstart[gi + 1] - 1]));
   }
-  if (most_chunks > 1 && largest * 8 * at::get_num_threads() > total * c.Hkv) run_split(c);
+  if (most_chunks > 1 && largest * 8 * at::get_num_threads() > total) run_split(c);
   else run_whole(c);
 }
 
@@ -432,6 +480,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "the step's K/V rows into their cache slots: fp32, bf16 or int8 (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU, fp32 queries)");
-  m.def("set_kv_isa", &set_kv_isa, "int8 KV path: auto, avx2 or scalar; returns the one chosen");
+  m.def("set_kv_isa", &set_kv_isa, "attention body and int8 KV path: auto, avx512, avx2 or scalar; returns the one chosen");
 }
 #endif

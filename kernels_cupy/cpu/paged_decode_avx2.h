@@ -95,10 +95,13 @@ static inline void prefetch_row(const KV* r, int64_t W) {
 // decode row): same contract as attend_group in paged_decode.cpp. Row r sees positions [t0, min(t1, lens[r]));
 // lens are nondecreasing and lens[0] > t0. Each K/V row is loaded (and widened) once for every row and query
 // head that sees it; the arithmetic of each (row, head) is exactly that of the row computed alone. V = D / 8.
+// pfw: elements of each position's K and V to prefetch from the position's first KV head on (the caller runs a
+// chunk's KV heads back to back: the first prefetches every head's rows, Hkv * W contiguous elements, the others
+// pass 0 and find theirs in cache).
 template <typename KV, int V>
 static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
                          const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
-                         int64_t G, int64_t CH, float sc, float* scores, float* slots) {
+                         int64_t G, int64_t CH, float sc, float* scores, float* slots, int64_t pfw) {
   constexpr int64_t D = 8 * V;
   const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
@@ -106,11 +109,12 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
   int64_t pt = t0, pblk = blk, poff = off;
   auto prefetch_next = [&] {
     const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
-    prefetch_row(kp + at, W);
-    prefetch_row(vp + at, W);
+    prefetch_row(kp + at, pfw);
+    prefetch_row(vp + at, pfw);
     if (++poff == BS) { poff = 0; ++pblk; }
     ++pt;
   };
+  if (pfw == 0) pt = t1;  // nothing to prefetch: this head's rows came with the first head's
   while (pt < t1 && pt < t0 + kPrefetchRows) prefetch_next();  // the first rows all at once, not a miss at a time
   for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
     if (pt < t1) prefetch_next();  // the row kPrefetchRows ahead
