@@ -16,6 +16,7 @@ import secrets
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hypercorn.trio
@@ -23,6 +24,7 @@ import trio
 import zmq
 from hypercorn.config import Config as HyperConfig
 
+from gateway.pipeline.adapters import AdapterCatalog
 from gateway.pipeline.admission import QuotaGate
 from gateway.api.app import create_app
 from gateway.api.auth import Authenticator
@@ -42,7 +44,9 @@ from gateway.batches.line import LineRunner, Pipeline, batch_priority
 from gateway.batches.runner import LEASE_TTL_S, BatchRunner
 from gateway.batches.stored import StoredBatches
 from gateway.responses.stored import StoredResponses
+from tenancy.adapters_store import AdapterStore
 from tenancy.db_backend import redact
+from tenancy.lora_check import LoraContext
 from tenancy.responses_store import ResponseStore
 from tenancy.store import TenancyStore, open_store
 
@@ -138,6 +142,20 @@ def _create_demo_tenant(store: TenancyStore, db_path: str) -> None:
     log.info("created tenant 'demo' with key %s on an empty store", key_id)
 
 
+def _lora_context(cfg: GatewayConfig, model_dir: Path) -> LoraContext | None:
+    """With --lora-dir (also forwarded to the local workers): where adapters are registered from, and the base
+    model's shapes they are checked against. A missing directory is a start-up error, not a 400 on each use."""
+    lora_dir = cfg.engine.values.get("lora_dir")
+    if lora_dir is None:
+        return None
+    if not Path(lora_dir).is_dir():
+        raise ValueError(f"--lora-dir {lora_dir!r} is not a directory")
+    try:
+        return LoraContext.load(lora_dir, model_dir)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--lora-dir: the base model's config.json cannot give its shapes ({e!r})") from None
+
+
 def _lease_holder(cfg: GatewayConfig) -> str:
     """This process among the gateways that may run batches (its log lines name it)."""
     return f"{socket.gethostname()}:{cfg.port}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -159,6 +177,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
     # Resolving may convert a GGUF in a subprocess (minutes, once): keep the event loop free meanwhile.
     model_dir = await trio.to_thread.run_sync(resolve_model_dir, cfg.model)
     tokenizer = await trio.to_thread.run_sync(GatewayTokenizer, model_dir)
+    lora = await trio.to_thread.run_sync(_lora_context, cfg, model_dir)
     store, secret, limiter = await trio.to_thread.run_sync(_open_tenancy, cfg.tenancy)
     ctx: zmq.Context[Any] = zmq.Context()
     worker_auth: WorkerAuth | None = None
@@ -179,7 +198,9 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                               QuotaGate(limiter), UsageLedger(store.record_usage),
                               StoredResponses(ResponseStore(store.backend,
                                                             cfg.tenancy.responses_retention_days * 86400.0)),
-                              StoredBatches(store.backend, _lease_holder(cfg), LEASE_TTL_S))
+                              StoredBatches(store.backend, _lease_holder(cfg), LEASE_TTL_S),
+                              AdapterCatalog(AdapterStore(store.backend) if lora is not None else None,
+                                             ttl=cfg.tenancy.auth_cache_ttl))
             await outer.start(tenancy.ledger.run)  # first in, last out: rows of ending requests still land
             await outer.start(tenancy.quota.run)
             await outer.start(tenancy.responses.run)  # prunes expired stored responses
@@ -199,7 +220,7 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                 if worker_auth is not None:
                     worker_auth.keyring.local_ids = frozenset(supervisor.worker_ids())
                 await outer.start(supervisor.run)
-            state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing)
+            state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing, lora=lora)
             await outer.start(_batch_runner(state).run)  # runs batches while this gateway holds the lease
             app = create_app(state)
             stop = trio.Event()

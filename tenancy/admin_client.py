@@ -43,9 +43,9 @@ class RemoteAdmin:
         self.close()
 
     def _call(self, method: str, path: str, *, body: Mapping[str, Any] | None = None,
-              params: Mapping[str, Any] | None = None) -> Json:
+              params: Mapping[str, Any] | None = None, prefix: str = "/admin") -> Json:
         try:
-            resp = self._http.request(method, "/admin" + path, json=body, params=_drop_none(params or {}))
+            resp = self._http.request(method, prefix + path, json=body, params=_drop_none(params or {}))
         except httpx.TransportError as e:
             reason = str(e) or type(e).__name__
             raise AdminOpError(0, f"cannot reach the gateway at {self._url}: {reason}",
@@ -111,6 +111,18 @@ class RemoteAdmin:
 
     def usage(self, tenant: str | None = None, since: str | None = None, by: str | None = None) -> Json:
         return self._call("GET", "/usage", params={"tenant": tenant, "since": since, "by": by})
+
+    # ---- LoRA adapters: registered at vLLM's paths (the gateway checks them against its base model) ----
+
+    def list_adapters(self, tenant: str | None = None) -> Json:
+        return self._call("GET", "/adapters", params={"tenant": tenant})
+
+    def load_adapter(self, name: str, path: str, tenant: str | None = None) -> Json:
+        body = _drop_none({"lora_name": name, "lora_path": path, "tenant": tenant})
+        return self._call("POST", "/v1/load_lora_adapter", body=body, prefix="")
+
+    def unload_adapter(self, name: str) -> Json:
+        return self._call("POST", "/v1/unload_lora_adapter", body={"lora_name": name}, prefix="")
 
     # ---- the gateway's workers (no store behind these: remote mode only) ----
 

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, Protocol, TypeVar
 
+from tenancy.adapter_ops import AdapterAdmin, AdapterOpError
 from tenancy.admin_values import (AdminInputError, check_expiry, check_flag, check_label, check_name,
                                   check_quota_patch, check_ref, check_tier, check_weight, parse_grouping, parse_since)
+from tenancy.lora_check import LoraContext
 from tenancy.models import ApiKeyInfo, Quota, Tenant, UsageGroup
 from tenancy.store import TenancyStore
 from tenancy.tiers import DEFAULT_TIER, TIERS, Tier
@@ -58,6 +60,9 @@ class AdminBackend(Protocol):
     def get_quota(self, tenant: str, key_id: str | None = None) -> Json: ...
     def update_quota(self, tenant: str, patch: Mapping[str, Any], key_id: str | None = None) -> Json: ...
     def usage(self, tenant: str | None = None, since: str | None = None, by: str | None = None) -> Json: ...
+    def list_adapters(self, tenant: str | None = None) -> Json: ...
+    def load_adapter(self, name: str, path: str, tenant: str | None = None) -> Json: ...
+    def unload_adapter(self, name: str) -> Json: ...
 
 
 # --- JSON shapes -------------------------------------------------------------------------------------------
@@ -125,9 +130,11 @@ def _translated(fn: Callable[P, R]) -> Callable[P, R]:
 class LocalAdmin:
     """AdminBackend over a TenancyStore in this process. Blocking (SQLite): async callers use a thread."""
 
-    def __init__(self, store: TenancyStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: TenancyStore, clock: Callable[[], float] = time.time,
+                 lora: LoraContext | None = None) -> None:
         self._store = store
         self._clock = clock
+        self._adapters = AdapterAdmin(store, lora)  # lora None: adapters can be listed and removed, not added
 
     def _tenant(self, ref: object, param: str = "tenant") -> Tenant:
         tenant = self._store.find_tenant(check_ref(ref, param))
@@ -259,3 +266,21 @@ class LocalAdmin:
         grouping = parse_grouping(by)
         groups = self._store.usage_summary(tenant_id, start, grouping)
         return list_json([usage_json(g) for g in groups], tenant_id=tenant_id, since=start, by=grouping)
+
+    # LoRA adapters (tenancy/adapter_ops.py)
+
+    def list_adapters(self, tenant: str | None = None) -> Json:
+        return _adapter_op(lambda: self._adapters.list(tenant))
+
+    def load_adapter(self, name: str, path: str, tenant: str | None = None) -> Json:
+        return _adapter_op(lambda: self._adapters.load(name, path, tenant))
+
+    def unload_adapter(self, name: str) -> Json:
+        return _adapter_op(lambda: self._adapters.unload(name))
+
+
+def _adapter_op(op: Callable[[], Json]) -> Json:
+    try:
+        return op()
+    except AdapterOpError as e:
+        raise AdminOpError(e.status, e.message, code=e.code, param=e.param) from None

@@ -17,7 +17,7 @@ from tenancy.tiers import TIER_NAMES, TierName, is_tier
 
 QUOTA_FIELDS: tuple[str, ...] = tuple(f for f in Quota.__dataclass_fields__)
 _INT_QUOTA_FIELDS = ("rpm", "tpm", "max_concurrent", "token_budget", "max_tokens_per_request", "max_prompt_tokens")
-USAGE_GROUPINGS: tuple[UsageGrouping, ...] = ("day", "model", "key")
+USAGE_GROUPINGS: tuple[UsageGrouping, ...] = ("day", "model", "key", "adapter")
 MAX_INT = 2**53  # JSON-safe in every client, and far inside SQLite's 64-bit INTEGER
 MAX_WEIGHT = 1e6
 MAX_LABEL_CHARS = 200

@@ -275,10 +275,10 @@ def tiers(ctx: typer.Context, json_out: JsonFlag = False) -> None:
 def usage(ctx: typer.Context,
           tenant: Annotated[str | None, typer.Argument(help="Only this tenant (default: all).")] = None,
           since: Annotated[str | None, typer.Option(help="Unix seconds, ISO date/time, or relative: 7d, 24h.")] = None,
-          by: Annotated[Literal["day", "model", "key"] | None, typer.Option(help="Group by.")] = None,
+          by: Annotated[Literal["day", "model", "key", "adapter"] | None, typer.Option(help="Group by.")] = None,
           fmt: Annotated[Literal["table", "json", "csv"], typer.Option("--format")] = "table",
           json_out: JsonFlag = False) -> None:
-    """Token usage from the ledger: totals, or grouped by day (UTC), model or key."""
+    """Token usage from the ledger: totals, or grouped by day (UTC), model, key or LoRA adapter ('' = base)."""
     if fmt == "csv" and not _wants_json(ctx, json_out):
         _run(ctx, False, lambda b: b.usage(tenant, since, by), lambda _c, u: typer.echo(render.usage_csv(u), nl=False))
         return
@@ -317,6 +317,11 @@ app.command("plan")(plan_command)
 from tenancy.worker_cli import worker_app  # noqa: E402
 
 app.add_typer(worker_app, name="worker")
+
+# --- adapters (tenancy/adapter_cli.py): LoRA adapters, registered through a gateway --------------------------
+from tenancy import adapter_cli  # noqa: E402
+
+app.add_typer(adapter_cli.build(_run), name="adapters")
 
 
 def main() -> None:

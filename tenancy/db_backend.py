@@ -16,7 +16,7 @@ from typing import Any, Protocol
 Params = Sequence[Any]
 Row = tuple[Any, ...]
 _USAGE_COLUMNS = ("request_id, tenant_id, key_id, model, prompt_tokens, cached_tokens, completion_tokens, status, "
-                  "started_at, finished_at, ttft_ms, latency_ms")
+                  "started_at, finished_at, ttft_ms, latency_ms, adapter")
 
 
 @dataclass(frozen=True)

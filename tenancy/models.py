@@ -10,7 +10,7 @@ from tenancy.tiers import DEFAULT_TIER, TierName
 
 TenantStatus = Literal["active", "suspended"]
 BudgetPeriod = Literal["day", "month"]
-UsageGrouping = Literal["day", "model", "key"]
+UsageGrouping = Literal["day", "model", "key", "adapter"]
 
 TENANT_ID_PREFIX = "ten_"
 KEY_ID_PREFIX = "key_"
@@ -103,6 +103,7 @@ class UsageRow:
     finished_at: float
     ttft_ms: float | None = None
     latency_ms: float | None = None
+    adapter: str | None = None  # the LoRA adapter it ran with (its registered name); None: the base model
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -112,6 +113,15 @@ class UsageRow:
                 raise ValueError(f"usage {name} must be >= 0, got {getattr(self, name)}")
         if self.cached_tokens > self.prompt_tokens:
             raise ValueError("cached_tokens cannot exceed prompt_tokens")
+
+
+@dataclass(frozen=True)
+class LoraAdapterRecord:
+    """A registered LoRA adapter (tenancy/adapters_store.py)."""
+    name: str  # what a request's `model` names
+    path: str  # its directory under the gateway's --lora-dir: what workers are sent (Generate.lora)
+    tenant_id: str | None  # its owner; None: global (every tenant may use it)
+    created_at: float
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,20 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     # (the bounds as configured) are what every request had before tiers, so the upgrade changes no one's service.
     (6, ("ALTER TABLE tenants ADD COLUMN tier TEXT NOT NULL DEFAULT 'standard' "
          "CHECK (tier IN ('interactive', 'standard', 'batch'))",)),
+    # LoRA adapters registered by an operator (tenancy/adapters_store.py): the name clients send as `model`, the
+    # directory under the gateway's --lora-dir the workers load it from, and its owner (NULL: every tenant may use
+    # it). A tenant's adapters go with it. The ledger gains the adapter a request ran with; NULL (every row from
+    # before, and every base-model request) is the base model.
+    (7, (
+        """CREATE TABLE lora_adapters (
+            name TEXT PRIMARY KEY,
+            path TEXT NOT NULL,
+            tenant_id TEXT REFERENCES tenants(id) ON DELETE CASCADE,
+            created_at REAL NOT NULL
+        )""",
+        "CREATE INDEX lora_adapters_tenant ON lora_adapters(tenant_id)",
+        "ALTER TABLE usage ADD COLUMN adapter TEXT",
+    )),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -26,7 +26,7 @@ _TENANT_COLUMNS = "id, name, status, weight, created_at, log_text, tier"
 _KEY_COLUMNS = "id, tenant_id, label, key_prefix, created_at, expires_at, revoked_at"
 _QUOTA_COLUMNS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period", "max_tokens_per_request",
                   "max_prompt_tokens", "allowed_models")
-_GROUPINGS = ("day", "model", "key")
+_GROUPINGS = ("day", "model", "key", "adapter")
 
 
 def open_backend(db: str | Path) -> Backend:
@@ -113,7 +113,13 @@ class TenancyStore:
         return self.get_tenant(tenant_id)
 
     def suspend_tenant(self, ref: str) -> Tenant:
-        return self._set_status(ref, "suspended")
+        """Its keys are refused until it is resumed, and its LoRA adapters are unregistered in the same
+        transaction (an operator registers them again after a resume): nothing routes to them from then on."""
+        tenant_id = self.get_tenant(ref).id
+        with self._db.write() as tx:
+            tx.execute("UPDATE tenants SET status = 'suspended' WHERE id = ?", (tenant_id,))
+            tx.execute("DELETE FROM lora_adapters WHERE tenant_id = ?", (tenant_id,))
+        return self.get_tenant(tenant_id)
 
     def resume_tenant(self, ref: str) -> Tenant:
         return self._set_status(ref, "active")
@@ -144,9 +150,10 @@ class TenancyStore:
         return self.get_tenant(tenant_id)
 
     def delete_tenant(self, ref: str) -> None:
-        """Removes the tenant, its keys and quotas (cascade); its usage rows stay in the ledger."""
+        """Removes the tenant, its keys, quotas and LoRA adapters (cascade); its usage rows stay in the ledger."""
         tenant_id = self.get_tenant(ref).id
         with self._db.write() as tx:
+            tx.execute("DELETE FROM lora_adapters WHERE tenant_id = ?", (tenant_id,))  # the cascade's, spelt out
             tx.execute("DELETE FROM tenants WHERE id = ?", (tenant_id,))
 
     # --- keys ----------------------------------------------------------------------------------------------
@@ -264,18 +271,19 @@ class TenancyStore:
     def usage_rows(self, tenant: str, since: float | None = None) -> list[UsageRow]:
         tenant_id = self.get_tenant(tenant).id
         rows = self._read("SELECT request_id, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-                          "completion_tokens, status, started_at, finished_at, ttft_ms, latency_ms FROM usage "
+                          "completion_tokens, status, started_at, finished_at, ttft_ms, latency_ms, adapter FROM usage "
                           "WHERE tenant_id = ? AND started_at >= ? ORDER BY started_at, request_id",
                           (tenant_id, since if since is not None else float("-inf")))
         return [UsageRow(*r) for r in rows]
 
     def usage_summary(self, tenant: str | None = None, since: float | None = None,
                       by: UsageGrouping | None = None) -> list[UsageGroup]:
-        """Totals for one tenant (or all), optionally since a time, optionally grouped by day (UTC), model or key."""
+        """Totals for one tenant (or all), optionally since a time, optionally grouped by day (UTC), model, key or
+        LoRA adapter ('' for the base model)."""
         if by is not None and by not in _GROUPINGS:
             raise ValueError(f"usage grouping must be one of {sorted(_GROUPINGS)}, got {by!r}")
         group = {"day": self._db.dialect.day_of.format("started_at"), "model": "model",
-                 "key": "COALESCE(key_id, '')", None: "''"}[by]
+                 "key": "COALESCE(key_id, '')", "adapter": "COALESCE(adapter, '')", None: "''"}[by]
         where = ["started_at >= ?"]
         params: list[float | str] = [since if since is not None else float("-inf")]
         if tenant is not None:
@@ -305,7 +313,7 @@ class TenancyStore:
 def usage_params(r: UsageRow) -> tuple[Any, ...]:
     """A ledger row as the parameters of ``Dialect.usage_insert`` (also written by tenancy/batch_store.py)."""
     return (r.request_id, r.tenant_id, r.key_id, r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-            r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms)
+            r.status, r.started_at, r.finished_at, r.ttft_ms, r.latency_ms, r.adapter)
 
 
 def open_store(db_path: str | Path, *, clock: Callable[[], float] = time.time) -> tuple[TenancyStore, ServerSecret]:

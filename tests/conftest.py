@@ -4,7 +4,8 @@
   (a real ``kvgate serve`` on it, one per module);
 - ``tests.test_browser_support``: Chromium through Playwright and a gateway that allows one cross-origin page;
 - ``tests.redis_support``: ``redis_server`` / ``redis_url`` (a private redis-server per module);
-- ``tests.postgres_support``: ``postgres_cluster`` / ``postgres_url`` (a private PostgreSQL cluster).
+- ``tests.postgres_support``: ``postgres_cluster`` / ``postgres_url`` (a private PostgreSQL cluster) and ``any_db``
+  (a test of the store on SQLite and on PostgreSQL).
 
 Importing a support module starts nothing: each service starts when a test first asks for its fixture.
 """

@@ -142,3 +142,41 @@ def postgres_url(postgres_cluster: PostgresCluster) -> str:
     """A fresh, empty database on the session's cluster."""
     return postgres_cluster.create_database()
 
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An SQLite file, or a fresh PostgreSQL database's URL: a test of the store runs on both backends."""
+    if request.param == "sqlite":
+        return str(tmp_path / "kvgate.db")
+    return str(request.getfixturevalue("postgres_url"))
+
+
+def database_at_version(where: str, version: int, inserts: list[str]) -> None:
+    """A database (an SQLite path or a PostgreSQL URL) as kvgate left it at schema ``version``: migrations 1 to
+    ``version`` applied and recorded, then ``inserts`` run (the rows an upgrade must keep)."""
+    from tenancy import schema
+
+    statements = [s for v, batch in schema.MIGRATIONS if v <= version for s in batch]
+    if where.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(where) as conn:
+            conn.execute(schema.for_postgres(schema.VERSION_TABLE).encode())
+            for s in statements:
+                conn.execute(schema.for_postgres(s).encode())
+            conn.execute(f"INSERT INTO schema_version VALUES ({int(version)}, 0)".encode())
+            for s in inserts:
+                conn.execute(s.encode())
+        return
+    import sqlite3
+
+    lite = sqlite3.connect(where)
+    lite.execute(schema.VERSION_TABLE)
+    for s in statements:
+        lite.execute(s)
+    lite.execute(f"INSERT INTO schema_version VALUES ({int(version)}, 0)")
+    for s in inserts:
+        lite.execute(s)
+    lite.commit()
+    lite.close()

@@ -5,7 +5,6 @@ tier set through the admin API and kvgatectl (local and remote)."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from tenancy import schema
 from tenancy.models import UsageRow
 from tenancy.store import TenancyStore
 from tenancy.tiers import MAX_PRIORITY, TIER_NAMES, TIERS, engine_priority, tier
+from tests.postgres_support import database_at_version
 from tests.test_gateway_admin import assert_error, call, make_admin_app
 from tests.test_kvgatectl import T0, Cli, clean_env, db, local, remote  # noqa: F401  (fixtures)
 
@@ -43,7 +43,7 @@ def test_tiers_are_ordered_best_first_and_standard_is_what_came_before() -> None
     with pytest.raises(ValueError, match="unknown tier 'gold'; known: interactive, standard, batch"):
         tier("gold")
     # The schema's CHECK names the same tiers as the table.
-    assert all(f"'{name}'" in schema.MIGRATIONS[-1][1][0] for name in TIER_NAMES)
+    assert all(f"'{name}'" in dict(schema.MIGRATIONS)[6][0] for name in TIER_NAMES)
 
 
 def test_a_request_counts_from_its_tier_and_never_jumps_above_it() -> None:
@@ -70,42 +70,16 @@ def test_routes_use_the_tenant_tier_and_batch_lines_the_batch_tier() -> None:
 
 # --- the store: migration 6 on both backends ----------------------------------------------------------------
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An SQLite file, or a fresh PostgreSQL database's URL (tests/postgres_support.py)."""
-    if request.param == "sqlite":
-        return str(tmp_path / "kvgate.db")
-    return str(request.getfixturevalue("postgres_url"))
-
-
 def _schema_5_with_a_tenant(where: str) -> None:
     """A database as kvgate left it before tiers (migrations 1-5), holding one tenant."""
-    statements = [s for version, batch in schema.MIGRATIONS if version <= 5 for s in batch]
-    insert = "INSERT INTO tenants (id, name, status, weight, created_at) VALUES ('ten_0', 'old', 'active', 2.0, 0)"
-    if where.startswith("postgresql://"):
-        import psycopg
-
-        with psycopg.connect(where) as conn:
-            conn.execute(schema.for_postgres(schema.VERSION_TABLE).encode())
-            for s in statements:
-                conn.execute(schema.for_postgres(s).encode())
-            conn.execute(b"INSERT INTO schema_version VALUES (5, 0)")
-            conn.execute(insert.encode())
-        return
-    lite = sqlite3.connect(where)
-    lite.execute(schema.VERSION_TABLE)
-    for s in statements:
-        lite.execute(s)
-    lite.execute("INSERT INTO schema_version VALUES (5, 0)")
-    lite.execute(insert)
-    lite.commit()
-    lite.close()
+    database_at_version(where, 5, [
+        "INSERT INTO tenants (id, name, status, weight, created_at) VALUES ('ten_0', 'old', 'active', 2.0, 0)"])
 
 
 def test_migration_6_puts_existing_tenants_on_standard(any_db: str) -> None:
     _schema_5_with_a_tenant(any_db)
     with TenancyStore(any_db, PEPPER) as s:
-        assert s.applied_migrations == [6] and s.schema_version == 6
+        assert s.applied_migrations[:1] == [6] and s.schema_version == schema.LATEST_VERSION
         old = s.get_tenant("old")
         assert (old.id, old.weight, old.tier) == ("ten_0", 2.0, "standard")
         assert s.set_tier("old", "batch").tier == "batch"

@@ -18,7 +18,7 @@ the API and ``kvgatectl --db`` answer alike. Store calls block on SQLite's fsync
     POST   /admin/keys/<key_id>/revoke          -> key + {"was_active": bool}
     GET    /admin/tenants/<ref>/quota[?key_id=] -> {"tenant_id", "tenant", "key_id", "scope", "row", "effective"}
     PUT    /admin/tenants/<ref>/quota[?key_id=] {field: value | null, ...} -> the same (merged into the row)
-    GET    /admin/usage[?tenant=&since=&by=day|model|key] -> {"object": "list", "tenant_id", "since", "by", "data"}
+    GET    /admin/usage[?tenant=&since=&by=day|model|key|adapter] -> {"object": "list", "tenant_id", "since", "by", "data"}
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from quart_trio import QuartTrio
 from gateway.api.state import GatewayState
 from gateway.base.errors import APIError, bad_request
 from gateway.base.principal import Principal
+from tenancy.models import LoraAdapterRecord
 
 STATE_KEY = "kvgate.state"
 
@@ -50,8 +51,11 @@ async def authorize() -> Principal:
     return principal
 
 
-def check_model(body: Any, principal: Principal) -> None:
-    served = app_state().config.model_name
+async def check_model(body: Any, principal: Principal) -> LoraAdapterRecord | None:
+    """The body's ``model``: the served base model (None) or a LoRA adapter this tenant may use (vLLM's convention:
+    an adapter is a model). Another tenant's adapter is answered exactly as a name nobody registered."""
+    state = app_state()
+    served = state.config.model_name
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = body.get("model")
@@ -59,8 +63,14 @@ def check_model(body: Any, principal: Principal) -> None:
         raise bad_request("'model' is required", param="model")
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
-    if model != served:
-        raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+    adapter = None if model == served else await state.tenancy.adapters.resolve(model, principal.tenant_id)
+    if model != served and adapter is None:
+        raise model_not_found(model)
     if not principal.allows_model(model):
         raise APIError(403, f"Your API key is not allowed to use the model `{model}`.",
                        code="model_not_allowed", param="model")
+    return adapter
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")

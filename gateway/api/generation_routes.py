@@ -34,6 +34,7 @@ from gateway.pipeline.streaming import Account, SSEBody, StreamProducer, complet
 from gateway.pipeline.tiering import route_submission
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.telemetry.tracing import RequestTrace
+from tenancy.models import LoraAdapterRecord
 
 log = logging.getLogger("kvgate.gateway")
 Parser = Callable[[Any, GatewayTokenizer, int | None, int | None], GenerationRequest]  # parse_chat, parse_completion
@@ -81,16 +82,16 @@ async def traced(run: Callable[[RequestTrace], Awaitable[Response]]) -> Response
         rt.http_done(status)
 
 
-async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationRequest, str]:
+async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationRequest, str, LoraAdapterRecord | None]:
     with rt.phase("auth"):
         principal = await authorize()
     with rt.phase("tokenize"):
         body = await read_json()
-        check_model(body, principal)
+        adapter = await check_model(body, principal)
         req = await tokenize(parse_chat if kind == "chat" else parse_completion, body, principal)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     await reserve(principal, req, request_id, rt)
-    return principal, req, request_id
+    return principal, req, request_id, adapter
 
 
 async def tokenize(parse: Parser, body: Any, principal: Principal) -> GenerationRequest:
@@ -121,9 +122,10 @@ async def reserve(principal: Principal, req: GenerationRequest, request_id: str,
 
 async def run_generation(kind: str, rt: RequestTrace) -> Response:
     cfg, tok = app_state().config, app_state().tokenizer
-    principal, req, request_id = await admit(kind, rt)
-    choices, account = await submit(principal, req, request_id, rt)
-    builder = ResponseBuilder(request_id, cfg.model_name, int(time.time()), req, tok)
+    principal, req, request_id, adapter = await admit(kind, rt)
+    choices, account = await submit(principal, req, request_id, rt, adapter)
+    # vLLM's convention: the response names the model asked for (the adapter, when it is one)
+    builder = ResponseBuilder(request_id, served_name(adapter), int(time.time()), req, tok)
     timeout = cfg.timing.request_timeout
     if not req.stream:
         return json_response(await complete(choices, builder, timeout, account))
@@ -131,10 +133,16 @@ async def run_generation(kind: str, rt: RequestTrace) -> Response:
     return start_stream(producer, principal.tenant_name)
 
 
-async def submit(principal: Principal, req: GenerationRequest, request_id: str,
-                 rt: RequestTrace) -> tuple[Choices, RequestAccount]:
-    """Open the admitted request's account and queue its sequences on workers. On return the caller owns both
-    (``complete`` or a stream producer ends them on every path); on failure they are already ended."""
+def served_name(adapter: LoraAdapterRecord | None) -> str:
+    """What a response's ``model`` says: the adapter the request named, else the served model."""
+    return app_state().config.model_name if adapter is None else adapter.name
+
+
+async def submit(principal: Principal, req: GenerationRequest, request_id: str, rt: RequestTrace,
+                 adapter: LoraAdapterRecord | None = None) -> tuple[Choices, RequestAccount]:
+    """Open the admitted request's account and queue its sequences on workers (with ``adapter``'s LoRA, when the
+    request named one). On return the caller owns both (``complete`` or a stream producer ends them on every
+    path); on failure they are already ended."""
     state = app_state()
     cfg, tok, pool, ten = state.config, state.tokenizer, state.pool, state.tenancy
     g.admitted = True  # from here the request's account logs its end
@@ -142,13 +150,14 @@ async def submit(principal: Principal, req: GenerationRequest, request_id: str,
     # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
                              len(req.prompt_ids), rt, req.stream, tier=sub.tier,
-                             prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None)
+                             prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None,
+                             adapter=None if adapter is None else adapter.name)
     choices = Choices(pool, request_id, req.n, req.best_of)
     timeout = cfg.timing.request_timeout
     try:
         with rt.phase("queue") as span:
             await submit_all(pool, choices, req, tok, principal.cache_salt, unix_deadline(timeout), principal.weight,
-                             rt.context_for(span), tier=sub.tier, priority=sub.priority)
+                             rt.context_for(span), tier=sub.tier, priority=sub.priority, adapter=adapter)
     except BaseException as e:
         choices.release_all()  # those already queued are aborted on their workers
         account.end(choices, "not_submitted")  # gives the reservation back; no ledger row: nothing ran

@@ -156,7 +156,7 @@ def _op(summary: str, security: list[Json], *, body: Json | None = None, params:
 def _api_paths(model: Json) -> Json:
     ref, key = _param("ref"), _param("key_id")
     chat, completion = _with_model(_CHAT, model), _with_model(_COMPLETION, model)
-    since_by = [_param("since", "query"), _param("by", "query", {"type": "string", "enum": ["day", "model", "key"]})]
+    since_by = [_param("since", "query"), _param("by", "query", {"type": "string", "enum": ["day", "model", "key", "adapter"]})]
     return {
         "/v1/chat/completions": {"post": _op("Chat completion (SSE with stream: true)", TENANT_AUTH,
                                              body=_body(chat), stream=True)},
@@ -164,7 +164,13 @@ def _api_paths(model: Json) -> Json:
                                         body=_body(completion), stream=True)},
         **responses_paths(model, _op, _body, _param, TENANT_AUTH),
         **batches_paths(_op, _body, _param, TENANT_AUTH),
-        "/v1/models": {"get": _op("The served model, if the key may use it", TENANT_AUTH)},
+        "/v1/models": {"get": _op("The served model and the LoRA adapters the key may use", TENANT_AUTH)},
+        "/v1/load_lora_adapter": {"post": _op("Register a LoRA adapter (vLLM's shape; tenant: its owner)", ADMIN_AUTH,
+                                              body=_body(_fields(("lora_name", "lora_path"), lora_name=_STR,
+                                                                 lora_path=_STR, tenant=_STR)))},
+        "/v1/unload_lora_adapter": {"post": _op("Unregister a LoRA adapter", ADMIN_AUTH, body=_body(_fields(
+            ("lora_name",), lora_name=_STR, lora_int_id={"type": "integer"})))},
+        "/admin/adapters": {"get": _op("Registered LoRA adapters", ADMIN_AUTH, params=[_param("tenant", "query")])},
         "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
         "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(
             model=_STR, prompt=_STR, messages={"type": "array", "items": _MESSAGE}, add_generation_prompt=_BOOL)))},

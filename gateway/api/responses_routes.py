@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from gateway.base.principal import Principal
 from gateway.api.context import app_state, authorize, check_model
 from gateway.base.errors import APIError, bad_request
-from gateway.api.generation_routes import reserve, start_stream, submit, tokenize, traced
+from gateway.api.generation_routes import reserve, served_name, start_stream, submit, tokenize, traced
 from gateway.api.http_json import json_response, read_json
 from gateway.responses.items import ChatMessage, new_id
 from gateway.responses.objects import ResponseDraft
@@ -55,14 +55,14 @@ async def run_create(rt: RequestTrace) -> Response:
         principal = await authorize()
     with rt.phase("tokenize"):
         body = await read_json()
-        check_model(body, principal)
+        adapter = await check_model(body, principal)
         rreq = parse_responses(body)
         history = await _history(principal, rreq.previous_response_id)
         req = await tokenize(parse_as_chat, chat_body(rreq, cfg.model_name, history), principal)
     response_id = new_id("resp")  # the worker's request id and the ledger's too
     await reserve(principal, req, response_id, rt)
-    choices, account = await submit(principal, req, response_id, rt)
-    draft = ResponseDraft(response_id, cfg.model_name, int(time.time()), rreq, req)
+    choices, account = await submit(principal, req, response_id, rt, adapter)
+    draft = ResponseDraft(response_id, served_name(adapter), int(time.time()), rreq, req)
     save = _saver(principal, rreq, history) if rreq.store else None
     timeout = cfg.timing.request_timeout
     if not rreq.stream:

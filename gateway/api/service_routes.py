@@ -13,6 +13,7 @@ from gateway.api.http_json import json_response
 from gateway.api.openapi import VERSION
 from gateway.base.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request
 from gateway.telemetry import metrics
+from common.engine_flags import FLAGS_BY_DEST
 from tenancy.admin_ops import AdminOpError, LocalAdmin
 
 
@@ -23,6 +24,9 @@ def register(app: QuartTrio) -> None:
     app.add_url_rule("/v1/models", view_func=models, methods=["GET"])
     app.add_url_rule("/v1/usage", view_func=own_usage, methods=["GET"])
     app.add_url_rule("/metrics", view_func=prometheus, methods=["GET"])
+
+
+DEFAULT_MAX_LORAS = int(FLAGS_BY_DEST["max_loras"].default)  # what workers run with when serve was not given it
 
 
 async def health() -> Response:
@@ -44,18 +48,26 @@ async def version() -> Response:
 
 
 async def models() -> Response:
+    """The base model and the LoRA adapters this caller may use (global and its tenant's), each adapter with
+    ``parent`` = the base model's id, as vLLM lists them."""
     principal = await authorize()
     state = app_state()
     cfg = state.config
-    entry = {"id": cfg.model_name, "object": "model", "created": state.created, "owned_by": "kvgate",
-             "root": cfg.model, "parent": None, "max_model_len": state.pool.max_model_len}
-    data = [entry] if principal.allows_model(cfg.model_name) else []
+    max_len = state.pool.max_model_len
+    entries = [{"id": cfg.model_name, "object": "model", "created": state.created, "owned_by": "kvgate",
+                "root": cfg.model, "parent": None, "max_model_len": max_len}]
+    for a in await state.tenancy.adapters.visible(principal.tenant_id):
+        # root: vLLM gives the adapter's path; a tenant is not shown the server's directories
+        entries.append({"id": a.name, "object": "model", "created": int(a.created_at),
+                        "owned_by": "kvgate" if a.tenant_id is None else principal.tenant_name,
+                        "root": a.name, "parent": cfg.model_name, "max_model_len": max_len})
+    data = [e for e in entries if principal.allows_model(str(e["id"]))]
     return json_response({"object": "list", "data": data})
 
 
 async def own_usage() -> Response:
     """The calling tenant's own usage (never another's): the admin API's shape for one tenant, with
-    ``since`` (unix seconds, ISO date/time or 7d/24h) and ``by`` (day, model, key)."""
+    ``since`` (unix seconds, ISO date/time or 7d/24h) and ``by`` (day, model, key, adapter)."""
     principal = await authorize()
     unknown = sorted(set(request.args) - {"since", "by"})
     if unknown:
@@ -74,4 +86,6 @@ async def prometheus() -> Response:
     cfg, ten, gm = state.config, state.tenancy, state.metrics
     text = metrics.render(state.pool, cfg.model_name, cfg.observability.gpu_hour_cost, gm.billed_tokens)
     text += metrics.queues(ten.ledger.queued, ten.quota.queued)
+    if ten.adapters.enabled:
+        text += metrics.lora_requests_info(state.pool, int(cfg.engine.values.get("max_loras", DEFAULT_MAX_LORAS)))
     return Response(text + gm.render(), content_type=metrics.CONTENT_TYPE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway.pipeline.adapters import AdapterCatalog
 from gateway.pipeline.admission import QuotaGate
 from gateway.api.auth import Authenticator
 from gateway.batches.stored import StoredBatches
@@ -16,6 +17,7 @@ from gateway.fleet.pool import WorkerPool
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.responses.stored import StoredResponses
 from gateway.telemetry.tracing import Tracing
+from tenancy.lora_check import LoraContext
 from tenancy.store import TenancyStore
 
 
@@ -29,6 +31,7 @@ class Tenancy:
     ledger: UsageLedger
     responses: StoredResponses  # the Responses API's stored objects (same database as the store)
     batches: StoredBatches  # the Batch API's files, batches and runner lease (same database)
+    adapters: AdapterCatalog  # the LoRA adapters a request's `model` may name (same database)
 
 
 @dataclass
@@ -40,4 +43,5 @@ class GatewayState:
     metrics: GatewayMetrics
     tracing: Tracing = field(default_factory=Tracing)  # no exporter: OTel's no-op tracer
     created: int = field(default_factory=lambda: int(time.time()))
+    lora: LoraContext | None = None  # --lora-dir and the base model's shapes: adapters may be registered
     draining: bool = False  # set on SIGTERM: new API requests get 503 and /ready is false; in-flight ones finish

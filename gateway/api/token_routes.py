@@ -30,7 +30,7 @@ async def tokenize() -> Response:
     body = check_fields(await read_json(), {"model": _any, "prompt": _any, "messages": _any,
                                              "add_generation_prompt": _any})
     if "model" in body:
-        check_model(body, principal)
+        await check_model(body, principal)  # an adapter shares the base model's tokenizer
     try:
         if isinstance(body.get("prompt"), str) and "messages" not in body:
             ids = tok.encode(body["prompt"])
@@ -49,7 +49,7 @@ async def detokenize() -> Response:
     tok = app_state().tokenizer
     body = check_fields(await read_json(), {"model": _any, "tokens": _any})
     if "model" in body:
-        check_model(body, principal)
+        await check_model(body, principal)  # an adapter shares the base model's tokenizer
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
         raise bad_request(f"'tokens' must be an array of token ids in [0, {tok.vocab_size})", param="tokens")

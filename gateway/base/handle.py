@@ -73,8 +73,9 @@ class RequestFailed(Exception):
 class RequestHandle:
     def __init__(self, request_id: str, worker_id: str, prompt_len: int,
                  max_pending_bytes: int = MAX_PENDING_BYTES, budget: PendingBudget = _UNBOUNDED,
-                 tenant: str = "", weight: float = 1.0) -> None:
+                 tenant: str = "", weight: float = 1.0, adapter: str | None = None) -> None:
         self.request_id = request_id
+        self.adapter = adapter  # the LoRA adapter's registered name, or None (metrics: vllm:lora_requests_info)
         self.worker_id = worker_id
         self.prompt_len = prompt_len
         self.tenant, self.weight = tenant, weight  # the router's per-tenant accounting (cache salt, weight)

@@ -133,27 +133,33 @@ class WorkerPool:
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
                      trace_context: dict[str, str] | None = None, near: str | None = None,
-                     priority: int = 0, tier: str = DEFAULT_TIER) -> RequestHandle:
+                     priority: int = 0, tier: str = DEFAULT_TIER, lora: str | None = None,
+                     adapter: str | None = None) -> RequestHandle:
         """Pick a worker and queue the request for it (``near``: the worker of the same request's first
-        sequence; ``tier``: the class whose share of the admission bounds it may fill). Raises APIError(503) when
+        sequence; ``tier``: the class whose share of the admission bounds it may fill; ``lora``: the adapter's
+        directory the worker loads, ``adapter`` its registered name, for metrics). Raises APIError(503) when
         no worker can take it, APIError(429) when only the headroom kept for higher tiers could."""
         await trio.lowlevel.checkpoint()
         open_ = [w.load() for w in self.workers.values() if not w.draining]  # a draining worker takes nothing new
         if not open_:
             raise unavailable("no worker is ready to serve this model", self.retry_after(), "no_worker")
-        keys = prefix_keys(cache_salt, prompt_ids)
+        # A prefix computed under one adapter is never reused under another (the worker's cache keys include it):
+        # so the affinity keys include it too, or a prompt would be drawn to a worker whose cache cannot serve it.
+        keys = prefix_keys(cache_salt if lora is None else f"{cache_salt or ''}\x1flora:{lora}", prompt_ids)
         tenant = cache_salt or ""  # the workers' fair queues share by salt (one a tenant): so does the router
         who = Placement(tenant, weight, near, tier_named(tier).capacity_share)
         wid = self.router.choose(open_, keys, len(prompt_ids), who)
         if wid is None:
             raise self._refusal(open_, len(prompt_ids), who, tier)
         w = self.workers[wid]
-        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None, priority)
+        msg = Generate(request_id, prompt_ids, sampling, cache_salt, weight, deadline, trace_context or None, priority,
+                       lora)
         try:
             w.outbox.send_nowait(msg)
         except trio.WouldBlock:  # the worker has not read its pipe for a while: it can't take more now
             raise unavailable("the worker's queue is full; retry later", self.retry_after()) from None
-        handle = RequestHandle(request_id, wid, len(prompt_ids), budget=self.pending, tenant=tenant, weight=weight)
+        handle = RequestHandle(request_id, wid, len(prompt_ids), budget=self.pending, tenant=tenant, weight=weight,
+                               adapter=adapter)
         self._requests[request_id] = handle
         w.hold(handle)
         self.router.record(keys, wid)

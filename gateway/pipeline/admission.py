@@ -167,8 +167,9 @@ class RequestAccount:
 
     def __init__(self, gate: QuotaGate, ledger: Ledger, metrics: GatewayMetrics, principal: Principal,
                  request_id: str, model: str, prompt_tokens: int, trace: RequestTrace, stream: bool, *,
-                 prompt_text: str | None = None, tier: str | None = None) -> None:
+                 prompt_text: str | None = None, tier: str | None = None, adapter: str | None = None) -> None:
         self._gate, self._ledger, self._metrics, self._principal = gate, ledger, metrics, principal
+        self.adapter = adapter  # the LoRA adapter's registered name (None: the base model): in the ledger row
         self.tier = tier or principal.tier  # the class it was submitted as (a Batch API line's is batch)
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         self._prompt_text = prompt_text  # only logged when the tenant opted in (principal.log_text)
@@ -185,7 +186,7 @@ class RequestAccount:
         ttft = None if first is None else (first - self.started) * 1000.0
         return UsageRow(self.request_id, self._principal.tenant_id, self._principal.key_id, self.model,
                         self.prompt_tokens, min(choices.cached_tokens, self.prompt_tokens), completion_tokens,
-                        status, self.started_wall, time.time(), ttft, (now - self.started) * 1000.0)
+                        status, self.started_wall, time.time(), ttft, (now - self.started) * 1000.0, self.adapter)
 
     async def finish(self, choices: Choices) -> None:
         """The request completed: its row is durable before this returns (or queued after COMMIT_WAIT_S)."""

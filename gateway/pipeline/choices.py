@@ -30,6 +30,7 @@ from gateway.pipeline.protocol import GenerationRequest
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from ipc.messages import EngineTimings
 from ipc.sampling import SamplingParams
+from tenancy.models import LoraAdapterRecord
 from tenancy.tiers import DEFAULT_TIER
 
 if TYPE_CHECKING:
@@ -153,13 +154,16 @@ class Choices:
 async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest, tok: GatewayTokenizer,
                      cache_salt: str | None, deadline: float | None, weight: float,
                      trace_context: dict[str, str] | None, *, tier: str = DEFAULT_TIER,
-                     priority: int | None = None) -> None:
+                     priority: int | None = None, adapter: LoraAdapterRecord | None = None) -> None:
     """Queue one worker request per sequence, one after the other (the first one's prefix affinity then draws the
     rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
     ``tier``: the class admitted (``tenancy/tiers.py``); ``priority``: what the workers get (None: the request's
-    own, ``gateway.pipeline.tiering``). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued."""
+    own, ``gateway.pipeline.tiering``); ``adapter``: the LoRA adapter every sequence runs with (workers are sent its
+    directory). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued."""
     for i in range(choices.best_of):
         handle = await pool.submit(choices.child_id(i), req.prompt_ids, child_sampling(req.sampling, i), cache_salt,
                                    deadline, weight, trace_context, near=choices.worker_id,
-                                   priority=req.priority if priority is None else priority, tier=tier)
+                                   priority=req.priority if priority is None else priority, tier=tier,
+                                   lora=None if adapter is None else adapter.path,
+                                   adapter=None if adapter is None else adapter.name)
         choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, i)))

@@ -38,6 +38,8 @@ PING = ": ping\n\n"
 def failure_to_api_error(e: RequestFailed) -> APIError:
     if e.code in ("invalid_request", "context_length_exceeded"):
         return APIError(400, e.message, code=e.code)
+    if e.code == "model_not_found":  # a worker that cannot find the request's LoRA adapter (workers/engine.py)
+        return APIError(404, e.message, code=e.code, param="model")
     if e.code == "client_too_slow":
         return APIError(408, e.message, code=e.code)
     if e.code == "timeout":

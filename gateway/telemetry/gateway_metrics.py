@@ -68,6 +68,11 @@ class GatewayMetrics:
                                 ["model_name", "worker"], registry=r)
         self._engine_histograms(labels)
         self._tier_metrics()
+        # Per LoRA adapter (its registered name: operators register them, so the label set is bounded).
+        self.lora_requests = Counter("kvgate:lora_requests", "Requests that ran with a LoRA adapter, by adapter and "
+                                     "status.", ["adapter", "status"], registry=r)
+        self.lora_tokens = Counter("kvgate:lora_tokens", "Tokens of requests run with a LoRA adapter: prompt, "
+                                   "cached (of prompt) and completion.", ["adapter", "kind"], registry=r)
 
     def _tier_metrics(self) -> None:
         """Per tier (tenancy/tiers.py; a Batch API line counts as batch), each with its series from the start."""
@@ -164,6 +169,11 @@ class GatewayMetrics:
         self.tokens.labels(tenant, "cached").inc(row.cached_tokens)
         self.tokens.labels(tenant, "completion").inc(row.completion_tokens)
         self.billed_tokens += row.prompt_tokens + row.completion_tokens
+        if row.adapter is not None:
+            self.lora_requests.labels(row.adapter, row.status).inc()
+            for kind, n in (("prompt", row.prompt_tokens), ("cached", row.cached_tokens),
+                            ("completion", row.completion_tokens)):
+                self.lora_tokens.labels(row.adapter, kind).inc(n)
         w = (self.model_name, worker)
         reason = row.status if row.status in FINISHED else "abort"
         self.success.labels(*w, reason).inc()

@@ -8,6 +8,7 @@ per-request metrics are in ``gateway.telemetry.gateway_metrics``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import trio
@@ -153,3 +154,20 @@ def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None
     if gpu_hour_cost is not None:
         lines += _cost(model_name, worker_seconds, gpu_hour_cost, billed_tokens)
     return "\n".join(lines) + "\n"
+
+
+def lora_requests_info(pool: WorkerPool, max_loras: int) -> str:
+    """vLLM's ``vllm:lora_requests_info``: the adapters of the requests in flight, as comma-separated label values
+    (running: their worker has sent a token; waiting: not yet), valued at the time of the scrape as vLLM's is. The
+    adapters are registered names (an operator's, bounded), sorted, each once."""
+    running: set[str] = set()
+    waiting: set[str] = set()
+    for h in pool.inflight():
+        if h.adapter is not None:
+            (running if h.generated_tokens else waiting).add(h.adapter)
+    labels = _labels(running_lora_adapters=",".join(sorted(running)), max_lora=str(max_loras),
+                     waiting_lora_adapters=",".join(sorted(waiting)))
+    # Valued at wall time, as vLLM's: a dashboard reads the latest series by its value.
+    return ("# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+            "# TYPE vllm:lora_requests_info gauge\n"
+            f"vllm:lora_requests_info{labels} {_num(time.time())}\n")

@@ -9,26 +9,16 @@ that fails any check raises ValueError and leaves nothing behind (the registry o
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from common.peft_config import (CONFIG_FILE, KEY_RE, MAX_RANK, NAME_RE, WEIGHTS_FILE, layer_indices, rank_and_scale,
+                                read_config, target_names)
 from workers.models.llama import LlamaConfig
 
-MAX_RANK = 64
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-# An adapter's name is a directory under --lora-dir: one path component, nothing hidden, no "..".
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# PEFT's saved key for a Llama layer's pair (the adapter name is stripped on save).
-_KEY_RE = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
-# Config fields this slice does not implement: an adapter using them is refused, never served differently.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
-                "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None}
+__all__ = ["CONFIG_FILE", "MAX_RANK", "NAME_RE", "WEIGHTS_FILE", "LoraAdapter", "load_adapter", "targets"]
 
 
 @dataclass(frozen=True)
@@ -87,44 +77,6 @@ class LoraAdapter:
     nbytes: int
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    path = directory / CONFIG_FILE
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{CONFIG_FILE}: cannot be read as JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{CONFIG_FILE}: not a JSON object")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{CONFIG_FILE}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key, plain in _UNSUPPORTED.items():
-        v = cfg.get(key)
-        if not (v is None or v == plain or v == {} or v == [] or v is False):
-            raise ValueError(f"{CONFIG_FILE}: {key}={v!r} is not supported")
-    return cfg
-
-
-def _rank_and_scale(cfg: dict[str, Any]) -> tuple[int, float]:
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RANK:
-        raise ValueError(f"{CONFIG_FILE}: rank r must be an integer in [1, {MAX_RANK}], got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a finite number, got {alpha!r}")
-    return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-
-
-def _target_names(cfg: dict[str, Any], known: dict[str, Target]) -> list[str]:
-    names = cfg.get("target_modules")
-    if isinstance(names, str):  # PEFT also takes a regex or "all-linear"; only explicit names are supported
-        raise ValueError(f"{CONFIG_FILE}: target_modules must be a list of module names, got {names!r}")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names")
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"{CONFIG_FILE}: unknown target modules {unknown} (supported: {sorted(known)})")
-    return sorted(set(names), key=list(known).index)  # kvgate's order: q, k, v, o, gate, up, down
-
-
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -136,22 +88,12 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{WEIGHTS_FILE}: cannot be read ({e})") from None
 
 
-def _layer_indices(cfg: dict[str, Any], num_layers: int) -> set[int]:
-    chosen = cfg.get("layers_to_transform")
-    if chosen is None:
-        return set(range(num_layers))
-    chosen = [chosen] if isinstance(chosen, int) else chosen
-    if not isinstance(chosen, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in chosen):
-        raise ValueError(f"{CONFIG_FILE}: layers_to_transform must name layers in [0, {num_layers})")
-    return set(chosen)
-
-
 def _pairs(sd: dict[str, torch.Tensor], names: list[str], layers: set[int], known: dict[str, Target],
            r: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, module) -> (A (r, in), B (out, r)) fp32, every key and shape checked."""
     found: dict[tuple[int, str, str], torch.Tensor] = {}
     for key, w in sd.items():
-        m = _KEY_RE.fullmatch(key)
+        m = KEY_RE.fullmatch(key)
         if m is None or m.group(3) not in names or int(m.group(1)) not in layers \
                 or known[m.group(3)].module != m.group(2):
             raise ValueError(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (targets {names}, layers "
@@ -179,10 +121,10 @@ def load_adapter(directory: Path, name: str, base: LlamaConfig, device: torch.de
     if not directory.is_dir():
         raise ValueError(f"adapter {name!r}: no directory {directory}")
     cfg = read_config(directory)
-    r, scale = _rank_and_scale(cfg)
+    r, scale = rank_and_scale(cfg)
     known = targets(base)
-    names = _target_names(cfg, known)
-    layers = _layer_indices(cfg, base.num_hidden_layers)
+    names = target_names(cfg, known)
+    layers = layer_indices(cfg, base.num_hidden_layers)
     pairs = _pairs(read_weights(directory), names, layers, known, r)
     dev = device or torch.device("cpu")
     built: list[dict[str, LoraProj]] = [{} for _ in range(base.num_hidden_layers)]
