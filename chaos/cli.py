@@ -108,7 +108,7 @@ def render_summary(results: list[DrillResult]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry for ``kvgate chaos ...`` (gateway.cli hands over the rest of the command line); exits the process
+    """Entry for ``kvgate chaos ...`` (console/kvgate.py hands over the rest of the command line); exits the process
     with the drills' status, as Typer's standalone mode does."""
     app(args=sys.argv[1:] if argv is None else argv, prog_name="kvgate chaos")
     return 0

@@ -1,4 +1,5 @@
-"""``python -m gateway ...`` is the same as ``kvgate ...``."""
+"""``python -m gateway serve ...`` is ``kvgate serve ...``: the gateway without the operator console (the other
+``kvgate`` commands are the console's: ``python -m console.kvgate``)."""
 
 from gateway.cli import main
 

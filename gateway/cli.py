@@ -1,5 +1,7 @@
-"""The ``kvgate`` command: ``serve`` (the gateway plus N supervised local workers) and the engine-side
-``worker`` and ``generate``, which are dispatched to ``workers.cli`` without loading the gateway."""
+"""The gateway's own command line, ``kvgate serve``: its flags (the gateway's and, in the "engine" group, the engine
+flag table of ``common/engine_flags.py``, passed to the local workers), the ``GatewayConfig`` they make, and the run.
+The operator console's ``kvgate`` dispatcher (console/kvgate.py) hands ``serve`` and its arguments here, as it hands
+``worker`` to ``workers.cli``; ``python -m gateway serve ...`` runs it without the console."""
 
 from __future__ import annotations
 
@@ -160,26 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``kvgate`` entry point. ``serve`` runs here (no torch in this process); ``worker`` and
-    ``generate`` are engine-side commands: this process becomes ``python -m workers.cli`` (exec, so signals and
-    the exit status are the engine's own) and the gateway never imports the engine."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["worker"], ["generate"]):
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "workers.cli", *argv])
-    if argv[:1] == ["keys"]:
-        from gateway.keys_cli import main as keys_main
-
-        return keys_main(argv[1:])
-    if argv[:1] == ["chaos"]:  # drills against a deployment: Typer + Rich, loaded only when asked for
-        from chaos.cli import main as chaos_main
-
-        return chaos_main(argv[1:])
+    """``kvgate serve ...`` (the dispatcher's ``serve``, or ``python -m gateway serve ...``): parse, then serve. No
+    torch in this process."""
     parser = argparse.ArgumentParser(prog="kvgate", description="multi-tenant LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    sub.add_parser("worker", help="run one engine replica connected to a gateway (kvgate worker -h)")
-    sub.add_parser("generate", help="stream a completion in-process, no server (kvgate generate -h)")
-    sub.add_parser("keys", help="CURVE key pairs for the gateway and remote workers (kvgate keys -h)")
-    sub.add_parser("chaos", help="drills that break a deployment on purpose (kvgate chaos --help)")
-    return cmd_serve(parser.parse_args(argv))
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return cmd_serve(parser.parse_args(sys.argv[1:] if argv is None else argv))

@@ -1,7 +1,7 @@
 """Admin operations over a TenancyStore, answered as JSON-ready dicts: the one source of the admin JSON shapes.
 
-The gateway's ``/admin`` API (gateway/admin.py) and ``kvgatectl --db`` both call ``LocalAdmin``; ``kvgatectl
---url`` (tenancy/admin_client.py) calls the API, which answers with the same dicts, so ``--json`` output is the
+The gateway's ``/admin`` API (gateway/api/admin.py) and ``kvgatectl --db`` both call ``LocalAdmin``; ``kvgatectl
+--url`` (console/admin_client.py) calls the API, which answers with the same dicts, so ``--json`` output is the
 same either way. Both backends implement ``AdminBackend``. Every operation validates its input, whatever its
 type (values may come straight from a JSON body), and raises ``AdminOpError`` for anything wrong: bad input is a
 400, an unknown tenant or key a 404, a duplicate name a 409. Plaintext keys appear once, in ``create_key``'s

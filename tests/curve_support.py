@@ -37,7 +37,7 @@ class KeySet:
 
 
 def kvgate_keys(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", "keys", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "console.kvgate", "keys", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -59,7 +59,7 @@ def start_worker(connect: str, worker_id: str, model_dir: Path, log_path: Path, 
     """``kvgate worker`` joining ``connect`` with ``key_name``'s secret key and the gateway's public key (or plain
     ZeroMQ when ``keys`` is None); ``prefix`` runs it inside something (``ip netns exec NS``)."""
     curve = [] if keys is None else ["--key", str(keys.secret(key_name)), "--server-key", str(keys.public("gateway"))]
-    cmd = [*(prefix or []), sys.executable, "-m", "gateway", "worker", "--connect", connect, "--worker-id",
+    cmd = [*(prefix or []), sys.executable, "-m", "console.kvgate", "worker", "--connect", connect, "--worker-id",
            worker_id, "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-tokens", "16384", "--log-format", "text", *curve]
     with log_path.open("wb") as log:

@@ -45,7 +45,7 @@ def make_tenant(server: Server, name: str, weight: float = 1.0, quota: Quota | N
 
 
 def kvgatectl(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tenancy.cli", "--db", str(server.db_path), *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "console.kvgatectl", "--db", str(server.db_path), *args], cwd=REPO,
                           env=server.env, capture_output=True, text=True, timeout=60)
 
 

@@ -15,7 +15,7 @@ from chaos.rawhttp import build, complete, parse
 from chaos.runner import RunOptions
 from chaos.sse import error_of, parse_event
 from chaos.verdict import DrillResult, check, skipped
-from gateway.cli import main as kvgate_main
+from console.kvgate import main as kvgate_main
 
 ISSUE_DRILLS = ["worker-kill", "worker-freeze", "slow-steps", "disconnect-storm", "overload", "slow-readers",
                 "redis-outage", "store-trouble", "gateway-kill", "bad-input", "rolling-restart",

@@ -4,11 +4,7 @@ with ``ast`` (every import counts: top-level, in a function, under ``TYPE_CHECKI
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-GATEWAY = REPO / "gateway"
+from tests.import_graph import REPO, Edge, cycle, edges, modules_of
 
 # Lowest first. Layers of one rank are siblings: neither may import the other.
 RANKS = {
@@ -20,20 +16,12 @@ RANKS = {
     "responses": 5,  # gateway/responses/: the Responses API over the pipeline
     "batches": 5,  # gateway/batches/: the Batch API over the pipeline
     "api": 6,  # gateway/api/: the Quart app, its routes and the state they share
-    "composition": 7,  # gateway/server.py, cli.py, keys_cli.py, __main__.py: build and run the rest
+    "composition": 7,  # gateway/server.py, cli.py, __main__.py: build and run the rest
 }
 TOP_LEVEL = {"gateway": "base", "gateway.config": "config", "gateway.server": "composition",
-             "gateway.cli": "composition", "gateway.keys_cli": "composition", "gateway.__main__": "composition"}
+             "gateway.cli": "composition", "gateway.__main__": "composition"}
 
-Edge = tuple[str, str, int]  # importer, imported module, line
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {_module_name(p): p for p in sorted(GATEWAY.rglob("*.py"))}
+MODULES = modules_of("gateway")
 
 
 def layer_of(module: str) -> str | None:
@@ -43,27 +31,8 @@ def layer_of(module: str) -> str | None:
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in RANKS) else None
 
 
-def _imported(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
-    """The gateway modules ``node`` names: the module imported from and each name that is itself a module."""
-    if isinstance(node, ast.Import):
-        return [a.name for a in node.names if a.name in MODULES]
-    if node.level:  # relative: from the importing module's package
-        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-    else:
-        base = node.module or ""
-    named = [base] + [f"{base}.{a.name}" for a in node.names]
-    return [m for m in named if m in MODULES]
-
-
 def gateway_edges() -> list[Edge]:
-    edges = []
-    for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                edges.extend((module, target, node.lineno) for target in _imported(module, path, node)
-                             if target != module)
-    return edges
+    return edges(MODULES, MODULES)
 
 
 def test_every_gateway_module_has_a_layer() -> None:
@@ -91,37 +60,14 @@ def test_no_gateway_module_imports_a_higher_or_sibling_layer() -> None:
     assert not upward, "gateway/ imports against its layers:\n" + "\n".join(upward)
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle of ``graph`` (its modules in order, the first repeated at the end), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        path.append(m)
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == 1:
-                return path[path.index(n):] + [n]
-            if n not in state and (found := visit(n)) is not None:
-                return found
-        path.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state and (found := visit(m)) is not None:
-            return found
-    return None
-
-
 def test_no_import_circle_between_gateway_modules() -> None:
     graph: dict[str, set[str]] = {}
     for importer, target, _ in gateway_edges():
         graph.setdefault(importer, set()).add(target)
-    found = _cycle(graph)
+    found = cycle(graph)
     assert found is None, "import circle: " + " -> ".join(found or ())
 
 
 def test_the_cycle_finder_finds_one() -> None:
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b", "c"}, "b": {"c"}}) is None
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}}) is None

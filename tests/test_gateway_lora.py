@@ -212,7 +212,7 @@ def test_an_adapter_the_worker_cannot_find_is_a_404(srv: Server, loras: Path,
 
 def test_kvgatectl_adapters_through_the_gateway(srv: Server, tenants: dict[str, tuple[str, str]]) -> None:
     def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tenancy.cli", "--url", srv.url, "--admin-token", ADMIN_TOKEN,
+        return subprocess.run([sys.executable, "-m", "console.kvgatectl", "--url", srv.url, "--admin-token", ADMIN_TOKEN,
                                *args], cwd=REPO, env=srv.env, capture_output=True, text=True, timeout=60)
 
     added = ctl("--json", "adapters", "add", "cli-alpha", "alpha", "--tenant", "ten-a")

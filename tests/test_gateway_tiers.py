@@ -17,7 +17,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tenancy.cli import app as kvgatectl
+from console.kvgatectl import app as kvgatectl
 from tests.test_gateway_support import (ADMIN_TOKEN, MODEL, Server, metric_sum, start_server,  # noqa: F401
                                         tiny_model_dir)
 

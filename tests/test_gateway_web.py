@@ -18,7 +18,7 @@ import pytest
 from gateway.cli import add_serve_parser, config_from_args
 from gateway.config import GatewayConfig
 from gateway.api.web import CSP, PAGES, STATIC_DIR, _split_fields
-from tenancy.top import compute_view, parse_exposition
+from console.top import compute_view, parse_exposition
 from tests.test_gateway_support import Server
 from tests.waiting import wait_until
 

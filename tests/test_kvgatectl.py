@@ -1,4 +1,4 @@
-"""kvgatectl (tenancy.cli) through Typer's CliRunner: local mode on a temp store, and remote mode against the
+"""kvgatectl (console/kvgatectl.py) through Typer's CliRunner: local mode on a temp store, and remote mode against the
 admin API served by Hypercorn (trio worker) on 127.0.0.1 in a background thread, with the same JSON shapes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import trio
 from hypercorn.config import Config as HyperConfig
 from typer.testing import CliRunner, Result
 
-from tenancy.cli import app
+from console.kvgatectl import app
 from tenancy.models import UsageRow
 from tenancy.store import TenancyStore, open_store
 from tests.test_gateway_admin import TOKEN, make_admin_app

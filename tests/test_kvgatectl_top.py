@@ -1,4 +1,4 @@
-"""``kvgatectl top`` (tenancy.top): the view computed from two hand-written expositions, and the command through
+"""``kvgatectl top`` (console/top.py): the view computed from two hand-written expositions, and the command through
 Typer's CliRunner against a real HTTP server on 127.0.0.1 whose counters advance on every scrape."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from tenancy.cli import app
-from tenancy.top import Snapshot, TopView, compute_view, parse_exposition, render_view
+from console.kvgatectl import app
+from console.top import Snapshot, TopView, compute_view, parse_exposition, render_view
 from tests.test_gateway_support import free_port
 
 URL = "http://gw"

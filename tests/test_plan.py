@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tenancy.cli import app
-from tenancy.plan import PlanInput, decode_tokens_s, device_spec, kv_bytes_per_token, length_stats, plan
-from tenancy.plan_model import PlanInputError, load_shape
-from tenancy.plan_presets import DEVICES, GIB, MIB, MODELS, ModelShape
+from console.kvgatectl import app
+from console.plan import PlanInput, decode_tokens_s, device_spec, kv_bytes_per_token, length_stats, plan
+from console.plan_model import PlanInputError, load_shape
+from console.plan_presets import DEVICES, GIB, MIB, MODELS, ModelShape
 
 MHA_7B = ModelShape("mha", 32, 32, 32, 128, 4096, 11008, 32000, False, 4096)
 
@@ -117,7 +117,7 @@ def test_table_prints_length_specs_as_written() -> None:
 def test_against_a_gateway_reads_workers_pool_and_measures_rate() -> None:
     import httpx
 
-    from tenancy.plan_render import compare_gateway
+    from console.plan_render import compare_gateway
 
     samples = iter([(100, 10.0), (400, 12.0)])
 

@@ -14,9 +14,9 @@ TENANCY_FORBIDDEN = ("workers", "gateway", "torch", "cupy", "transformers")
 
 _CODE = f"""
 import json, sys
-import tenancy.cli, tenancy.plan, tenancy.plan_model, tenancy.plan_cli, tenancy.store, tenancy.top
+import console.kvgatectl, console.plan, console.plan_model, console.plan_cli, tenancy.store, console.top
 from typer.testing import CliRunner
-result = CliRunner().invoke(tenancy.cli.app, ["plan", "--model", "smollm2", "--device", "l4", "--json"])
+result = CliRunner().invoke(console.kvgatectl.app, ["plan", "--model", "smollm2", "--device", "l4", "--json"])
 bad = sorted(m for m in sys.modules if m.split('.')[0] in {TENANCY_FORBIDDEN!r})
 print(json.dumps({{"exit": result.exit_code, "output": result.output, "bad": bad}}))
 """

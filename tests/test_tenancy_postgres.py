@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tenancy import db_postgres, schema
-from tenancy.cli import app
+from console.kvgatectl import app
 from tenancy.db_backend import is_url, redact
 from tenancy.models import Quota, UsageRow
 from tenancy.server_secret import ServerSecret

@@ -61,7 +61,7 @@ async def _roll_under_load(srv: Server) -> tuple[list[Stream], subprocess.Comple
     streams: list[Stream] = []
     running = trio.Event()
     rolled = trio.Event()
-    cmd = [sys.executable, "-m", "tenancy.cli", "--url", srv.url, "--admin-token", ADMIN_TOKEN,
+    cmd = [sys.executable, "-m", "console.kvgatectl", "--url", srv.url, "--admin-token", ADMIN_TOKEN,
            "worker", "restart", "--all", "--timeout", "600", "--json"]
 
     async def client_loop(i: int, client: httpx.AsyncClient) -> None:

@@ -157,7 +157,7 @@ class _FakeGateway:
 
 
 def test_rolling_restart_drains_the_next_worker_only_after_the_last_is_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tenancy import worker_cli
+    from console import worker_cli
 
     monkeypatch.setattr(worker_cli, "POLL_S", 0.0)
     gw = _FakeGateway()

@@ -1,4 +1,4 @@
-"""Engine-side ``kvgate`` commands (``gateway.cli.main`` dispatches here): ``kvgate generate`` streams a
+"""Engine-side ``kvgate`` commands (``console/kvgate.py`` dispatches here): ``kvgate generate`` streams a
 completion for a prompt to the terminal through the full engine in-process; ``kvgate worker`` runs one
 engine replica for a gateway."""
 

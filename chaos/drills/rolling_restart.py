@@ -63,7 +63,7 @@ class RollingRestart(Drill):
         result.add(*await quiet_checks(ctx, within=30.0))
 
     async def _roll(self, ctx: DrillContext) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "tenancy.cli", "--url", ctx.target.url, "--admin-token",
+        cmd = [sys.executable, "-m", "console.kvgatectl", "--url", ctx.target.url, "--admin-token",
                ctx.target.admin_token or "", "worker", "restart", "--all", "--timeout", "600", "--json"]
         with trio.move_on_after(self.ROLL_WITHIN_S):
             p = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)

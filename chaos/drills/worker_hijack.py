@@ -109,7 +109,7 @@ class WorkerHijack(Drill):
     def _start_good(self, deployment: Deployment) -> subprocess.Popen[bytes]:
         """``kvgate worker`` with key ``good`` (the README's remote worker), on this host, in the deployment's
         directory (its key paths are relative to it) and environment (the store's secret, the torch threads)."""
-        cmd = [sys.executable, "-m", "gateway", "worker", "--connect", f"tcp://127.0.0.1:{self.zmq_port}",
+        cmd = [sys.executable, "-m", "console.kvgate", "worker", "--connect", f"tcp://127.0.0.1:{self.zmq_port}",
                "--worker-id", "good", "--model", deployment.spec.model, "--served-model-name",
                deployment.spec.served_name, "--key", f"{KEYS}/good.key_secret",
                "--server-key", f"{KEYS}/gateway.key", "--log-format", "text"]

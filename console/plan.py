@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tenancy.plan_model import PlanInputError
-from tenancy.plan_presets import (DEVICE_ALIASES, DEVICES, GIB, KV_DTYPE_BYTES, KV_ROW_SCALE_BYTES, WEIGHT_DTYPE_BYTES,
+from console.plan_model import PlanInputError
+from console.plan_presets import (DEVICE_ALIASES, DEVICES, GIB, KV_DTYPE_BYTES, KV_ROW_SCALE_BYTES, WEIGHT_DTYPE_BYTES,
                                   DeviceSpec, ModelShape, device_names)
 
 _SAMPLES = 20000

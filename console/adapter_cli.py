@@ -16,15 +16,15 @@ from rich.markup import escape
 
 from tenancy.admin_ops import Json
 
-# tenancy.cli's _run(ctx, json_flag, op, show): handed in, since this module must not import the one that
-# registers it (run as ``python -m tenancy.cli`` that would load a second copy with its own Settings)
+# console.kvgatectl's _run(ctx, json_flag, op, show): handed in, since this module must not import the one that
+# registers it (run as ``python -m console.kvgatectl`` that would load a second copy with its own Settings)
 Run = Callable[[typer.Context, bool, Callable[[Any], Json], Callable[[Console, Json], None]], Json]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (the admin API's shapes).")]
 NameArg = Annotated[str, typer.Argument(help="The adapter's name: what a request's `model` gives.")]
 
 
 def _render_adapters(console: Console, result: Json) -> None:
-    from tenancy.cli_render import _row, _table, fmt_time
+    from console.render import _row, _table, fmt_time
 
     table = _table(None, "name", "path", "tenant", "created")
     for a in result["data"]:

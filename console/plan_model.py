@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tenancy.plan_presets import MODELS, ModelShape
+from console.plan_presets import MODELS, ModelShape
 
 
 class PlanInputError(ValueError):

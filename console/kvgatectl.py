@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import typer
 from rich.console import Console
 
-from tenancy import cli_render as render
+from console import render
 from tenancy.admin_ops import AdminBackend, AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
 from tenancy.db_backend import redact
@@ -72,7 +72,7 @@ def _backend(settings: Settings) -> Iterator[AdminBackend]:
     if settings.url:
         if not settings.admin_token:
             raise typer.BadParameter("--url needs --admin-token (or KVGATE_ADMIN_TOKEN)", param_hint="--admin-token")
-        from tenancy.admin_client import RemoteAdmin
+        from console.admin_client import RemoteAdmin
 
         with RemoteAdmin(settings.url, settings.admin_token) as remote:
             yield remote
@@ -300,7 +300,7 @@ def top(ctx: typer.Context,
     target = url or (settings.url if settings else None)
     if not target:
         raise typer.BadParameter("give the gateway's --url (or set KVGATE_URL)", param_hint="--url")
-    from tenancy.top import TopError, run_top  # httpx and prometheus_client load only for this command
+    from console.top import TopError, run_top  # httpx and prometheus_client load only for this command
 
     try:
         run_top(target, interval, once, iterations, _wants_json(ctx, json_out))
@@ -308,18 +308,18 @@ def top(ctx: typer.Context,
         _fail(str(e))
 
 
-# --- plan (tenancy/plan_cli.py) --------------------------------------------------------------------------
-from tenancy.plan_cli import plan_command  # noqa: E402  (registered here so `kvgatectl plan` exists)
+# --- plan (console/plan_cli.py) --------------------------------------------------------------------------
+from console.plan_cli import plan_command  # noqa: E402  (registered here so `kvgatectl plan` exists)
 
 app.command("plan")(plan_command)
 
-# --- worker (tenancy/worker_cli.py): drain and rolling restart over the gateway's /admin/workers ------------
-from tenancy.worker_cli import worker_app  # noqa: E402
+# --- worker (console/worker_cli.py): drain and rolling restart over the gateway's /admin/workers ------------
+from console.worker_cli import worker_app  # noqa: E402
 
 app.add_typer(worker_app, name="worker")
 
-# --- adapters (tenancy/adapter_cli.py): LoRA adapters, registered through a gateway --------------------------
-from tenancy import adapter_cli  # noqa: E402
+# --- adapters (console/adapter_cli.py): LoRA adapters, registered through a gateway --------------------------
+from console import adapter_cli  # noqa: E402
 
 app.add_typer(adapter_cli.build(_run), name="adapters")
 

@@ -13,8 +13,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tenancy.plan import decode_tokens_s
-from tenancy.plan_presets import GIB, MIB
+from console.plan import decode_tokens_s
+from console.plan_presets import GIB, MIB
 
 
 def _b(n: float) -> str:

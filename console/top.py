@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tenancy.cli_render import make_console
+from console.render import make_console
 
 FETCH_TIMEOUT_S = 2.0
 LabelKey = tuple[tuple[str, str], ...]  # a series' labels, sorted, so equal label sets compare equal

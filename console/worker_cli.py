@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tenancy.admin_client import RemoteAdmin
+from console.admin_client import RemoteAdmin
 from tenancy.admin_ops import AdminOpError, Json
 
 worker_app = typer.Typer(help="List, drain and restart a gateway's workers (needs --url and --admin-token).",
@@ -31,7 +31,7 @@ POLL_S = 0.5
 
 
 def _remote(ctx: typer.Context) -> RemoteAdmin:
-    settings: Any = ctx.find_root().obj  # tenancy.cli.Settings (not imported: that module registers this one)
+    settings: Any = ctx.find_root().obj  # console.kvgatectl.Settings (not imported: that module registers this one)
     url, token = getattr(settings, "url", None), getattr(settings, "admin_token", None)
     if not url or not token:
         raise typer.BadParameter("worker commands talk to a gateway: give --url and --admin-token "

@@ -1,4 +1,4 @@
-"""The ``kvgatectl plan`` command (registered in ``tenancy.cli``)."""
+"""The ``kvgatectl plan`` command (registered in ``console.kvgatectl``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from tenancy.cli_render import make_console
-from tenancy.plan import PlanInput, device_spec, length_stats, plan
-from tenancy.plan_model import PlanInputError, load_shape
-from tenancy.plan_presets import GIB, KV_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, canonical_dtype, device_names
+from console.render import make_console
+from console.plan import PlanInput, device_spec, length_stats, plan
+from console.plan_model import PlanInputError, load_shape
+from console.plan_presets import GIB, KV_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, canonical_dtype, device_names
 
 _Opt = typer.Option
 
@@ -55,7 +55,7 @@ def plan_command(
         raise typer.BadParameter(str(e)) from None
     target = url or getattr(settings, "url", None)
     if target:
-        from tenancy.plan_render import compare_gateway
+        from console.plan_render import compare_gateway
 
         try:
             result["gateway"] = compare_gateway(target, getattr(settings, "admin_token", None), result, interval)
@@ -65,6 +65,6 @@ def plan_command(
     if json_out or getattr(settings, "json", False):
         typer.echo(json.dumps(result, indent=2))
         return
-    from tenancy.plan_render import render_plan
+    from console.plan_render import render_plan
 
     render_plan(make_console(), result)
