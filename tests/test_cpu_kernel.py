@@ -253,12 +253,20 @@ def test_write_kv_matches_the_reference_from_strided_rows(backend) -> None:  # t
                              meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
     k[1, 0] = 0.0  # scale 0: codes 0, no division by zero
     v[2, 1] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5, -63.5, 3.0, 0.25])  # scale 1: ties round to even
+    # fp16's edges (the kernel converts 8 at a time): a tie at 1 + 2^-11, past the largest fp16 (inf), the
+    # smallest subnormal's half (a tie to 0), subnormals, -0
+    k[3, 1] = torch.tensor([1.0 + 2.0 ** -11, 65520.0, -70000.0, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -20, -0.0, 1e-8])
+    v[4, 0, 5] = float("nan")  # a NaN's eight convert one by one: torch's NaN is one pattern, F16C's keeps a payload
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
         w = kv_quant.row_width(d, dtype)
         caches = [torch.zeros(nb, bs, hkv, w, dtype=dtype) for _ in range(4)]
         backend.write_kv(k, v, caches[0], caches[1], meta)
         TorchAttentionBackend().write_kv(k, v, caches[2], caches[3], meta)
-        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), dtype
+        for mine, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+            if dtype == torch.bfloat16:  # c10::BFloat16's NaN is 0x7FC0, torch's vectorized cast keeps sign and payload
+                torch.testing.assert_close(mine, ref, rtol=0, atol=0, equal_nan=True)
+            else:  # byte for byte: NaN, -0 and the subnormals included
+                assert torch.equal(mine.view(torch.uint8), ref.view(torch.uint8)), dtype
         assert caches[0].float().abs().sum() > 0
     bad = AttentionMetadata(torch.tensor([3, 9, 10, 17, nb * bs]), meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0, meta.max_seq_len)
