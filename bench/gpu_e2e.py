@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.random_llama import EOS, SHAPES, checksum, hf_config_dict, random_prompts, state_dict  # noqa: E402
 from workers.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from workers.core.sampling_params import SamplingParams  # noqa: E402
-from workers.core.scheduler import SchedulerConfig  # noqa: E402
-from workers.engine import LLMEngine, build_model, engine_from_model  # noqa: E402
+from workers.core.scheduler_config import SchedulerConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.engine_build import build_model, engine_from_model  # noqa: E402
 from workers.models.llama import LlamaConfig  # noqa: E402
 
 PROBE_LENS = (20, 37, 64, 100)

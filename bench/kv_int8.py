@@ -22,7 +22,7 @@ from kernels_cupy.cpu import cpu_backend_or_reference
 from kernels_cupy.interface import AttentionMetadata
 from kernels_cupy.kv_quant import row_width, to_cache
 from workers.config import EngineConfig, ModelConfig
-from workers.engine import build_model
+from workers.engine_build import build_model
 from workers.model_files import gguf_source, resolve
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 from workers.models.loader import load_state_dict, read_config

@@ -106,7 +106,7 @@ def main() -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    from workers.models.loader import resolve
+    from workers.model_files import resolve
 
     hf = AutoModelForCausalLM.from_pretrained(resolve(a.model).directory, dtype=getattr(torch, a.dtype)).eval()
     one = reqs[: a.hf_one_requests or len(reqs)]

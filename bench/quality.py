@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import EngineConfig, ModelConfig
-from workers.engine import build_model, default_backend
+from workers.engine_build import build_model, default_backend
 from workers.model_files import gguf_source, resolve
 from workers.models.loader import load_state_dict, read_config
 from workers.models.llama import LlamaConfig

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
     from workers.config import EngineConfig, ModelConfig
-    from workers.engine import engine_from_config
+    from workers.engine_build import engine_from_config
 
     engine, directory = engine_from_config(EngineConfig(ModelConfig("smollm2", quantization=args.quantization)))
     from transformers import AutoTokenizer

@@ -2,7 +2,7 @@
 
 Drills signal processes (SIGKILL, SIGSTOP), so they must know exactly which ones: a spawned deployment knows its
 gateway's pid; for ``--url`` the gateway is the process listening on that loopback port, and its workers are its
-children whose command line runs ``workers.worker``. Nothing here matches processes by name across the system.
+children whose command line runs ``workers.process.worker``. Nothing here matches processes by name across the system.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import psutil
 import trio
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
-WORKER_MARK = "workers.worker"
+WORKER_MARK = "workers.process.worker"
 
 
 def is_loopback_url(url: str) -> bool:

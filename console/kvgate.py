@@ -1,7 +1,7 @@
 """The ``kvgate`` command: a dispatcher. ``serve`` hands its arguments to the gateway's own command line
 (``gateway/cli.py``, whose flags are the gateway's configuration and the engine flag table of ``common/``);
-``worker`` and ``generate`` are engine-side: this process becomes ``python -m workers.cli`` (exec, so signals and
-the exit status are the engine's own) and never imports the engine; ``keys`` makes CURVE key pairs
+``worker`` and ``generate`` are engine-side: this process becomes ``python -m workers.process.cli`` (exec, so
+signals and the exit status are the engine's own) and never imports the engine; ``keys`` makes CURVE key pairs
 (``console/keys_cli.py``); ``chaos`` runs the drills (``chaos/cli.py``, loaded only when asked for).
 
 Those four hand their arguments on untouched (``-h`` and ``--`` included), so each command's own parser answers
@@ -35,7 +35,7 @@ def _rest(ctx: typer.Context) -> list[str]:
 
 def _exec_engine(command: str, args: list[str]) -> NoReturn:
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "workers.cli", command, *args])
+    os.execv(sys.executable, [sys.executable, "-m", "workers.process.cli", command, *args])
 
 
 @app.command("serve", context_settings=_HANDED_ON, add_help_option=False,

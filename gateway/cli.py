@@ -1,7 +1,7 @@
 """The gateway's own command line, ``kvgate serve``: its flags (the gateway's and, in the "engine" group, the engine
 flag table of ``common/engine_flags.py``, passed to the local workers), the ``GatewayConfig`` they make, and the run.
 The operator console's ``kvgate`` dispatcher (console/kvgate.py) hands ``serve`` and its arguments here, as it hands
-``worker`` to ``workers.cli``; ``python -m gateway serve ...`` runs it without the console."""
+``worker`` to ``workers.process.cli``; ``python -m gateway serve ...`` runs it without the console."""
 
 from __future__ import annotations
 

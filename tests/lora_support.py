@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from workers.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig
-from workers.core.scheduler import SchedulerConfig
-from workers.engine import LLMEngine, build_model, engine_from_model
+from workers.core.scheduler_config import SchedulerConfig
+from workers.engine import LLMEngine
+from workers.engine_build import build_model, engine_from_model
 from workers.models.llama import LlamaConfig
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -12,7 +12,8 @@ PACKAGES = ("console", "tenancy", "gateway", "workers", "ipc", "common", "chaos"
 # The console is the top: chaos is below it (``kvgate chaos`` dispatches to it), so chaos may not import it either.
 NEVER_IMPORT_THE_CONSOLE = ("tenancy", "gateway", "workers", "ipc", "common", "chaos", "kernels_cupy")
 # What the console may use of the gateway: its command line (``kvgate serve``) and config, never the server itself
-# (``gateway.cli`` loads that only when serve runs). The engine is exec'd (``python -m workers.cli``), never imported.
+# (``gateway.cli`` loads that only when serve runs). The engine is exec'd (``python -m workers.process.cli``), never
+# imported.
 CONSOLE_MAY_IMPORT = ("console", "tenancy", "ipc", "common", "chaos", "gateway.cli", "gateway.config")
 # tenancy/ modules that are console (moved out by issue 27): never again beside the store.
 CONSOLE_ONLY = ("cli", "cli_render", "adapter_cli", "worker_cli", "top", "plan", "plan_cli", "plan_model",

@@ -45,8 +45,8 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.f
 
 def _engine(eager: bool):  # type: ignore[no-untyped-def]
     from workers.config import CacheConfig, EngineConfig, ModelConfig
-    from workers.core.scheduler import SchedulerConfig
-    from workers.engine import build_model, engine_from_model
+    from workers.core.scheduler_config import SchedulerConfig
+    from workers.engine_build import build_model, engine_from_model
     from workers.models.llama import LlamaConfig
 
     hf = hf_model(seed=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, intermediate_size=256)

@@ -24,7 +24,7 @@ from ipc.codec import decode, encode
 from ipc.curve import ClientCurve, KeyPair, apply_client, is_local_endpoint, load_key_pair, load_public_key
 from ipc.messages import PROTOCOL_VERSION, Hello, Refused
 from ipc.sync_transport import worker_dealer
-from workers.worker import default_worker_id
+from workers.process.worker import default_worker_id
 from chaos.procs import stop_process
 from tests.curve_support import (WORKER_START_S, KeySet, complete, kvgate_keys, make_keys, start_worker, wait_for,
                                  worker_ids)

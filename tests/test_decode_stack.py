@@ -18,9 +18,10 @@ from tests.cpu_support import built
 from tests.tiny import hf_model, random_prompts, run_all
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import SchedulerConfig
+from workers.core.scheduler_config import SchedulerConfig
 from workers.core.spec_decode import SpeculativeConfig
-from workers.engine import LLMEngine, build_model, engine_from_model
+from workers.engine import LLMEngine
+from workers.engine_build import build_model, engine_from_model
 from workers.models.decode_stack import DecodeStack
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 

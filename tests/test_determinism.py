@@ -22,9 +22,10 @@ import torch
 from tests.tiny import VOCAB, hf_model
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import SchedulerConfig
+from workers.core.scheduler_config import SchedulerConfig
 from workers.core.spec_decode import SpeculativeConfig
-from workers.engine import LLMEngine, build_model, engine_from_model
+from workers.engine import LLMEngine
+from workers.engine_build import build_model, engine_from_model
 from workers.models.llama import LlamaConfig, LlamaForCausalLM
 
 MODES = ["none", "int8", "int4", "int8-a8", "int4-a8"]

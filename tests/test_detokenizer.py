@@ -16,7 +16,7 @@ TEXTS = ["Hello world, ça va? 日本語のテキスト 🎉🎉 done.\n  indent
 def tok():  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
-    from workers.models.loader import resolve
+    from workers.model_files import resolve
 
     return AutoTokenizer.from_pretrained(resolve("smollm2").directory)
 

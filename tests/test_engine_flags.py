@@ -14,7 +14,7 @@ import pytest
 from common.engine_flags import ENGINE_FLAGS, OFFLINE, PROCESS_ONLY
 from gateway.cli import add_serve_parser, config_from_args
 from workers.llm import LLM
-from workers.worker_args import add_engine_args, engine_config
+from workers.process.worker_args import add_engine_args, engine_config
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
 # A value other than the default for every flag (a flag added to the table without one fails here first).
@@ -53,7 +53,7 @@ def test_the_worker_takes_every_flag(flag: Any) -> None:
     default, given = _worker([]), _worker(SAMPLES[flag.dest])
     assert getattr(given, flag.dest) != getattr(default, flag.dest)
     if flag.dest in PROCESS_ONLY:  # read by the worker process itself (its step sizing), not the engine
-        from workers import worker
+        from workers.process import worker
 
         assert f"a.{flag.dest}" in inspect.getsource(worker._size_steps)
     else:

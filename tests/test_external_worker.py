@@ -35,8 +35,8 @@ STEP_DELAY_S = 4.0  # every step with work spins this long, holding the GIL (the
 def _worker(port: int, model_dir: Path, log: Path, secret: str, step_delay: float = 0.0) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "workers.worker", "--connect", f"tcp://127.0.0.1:{port}", "--worker-id", "ext",
-             "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len",
+            [sys.executable, "-m", "workers.process.worker", "--connect", f"tcp://127.0.0.1:{port}",
+             "--worker-id", "ext", "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len",
              str(MAX_MODEL_LEN), "--kv-cache-tokens", "16384", "--log-format", "text"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
             env={**deployment_env(secret), "KVGATE_DEBUG_STEP_DELAY": str(step_delay)})

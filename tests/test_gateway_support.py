@@ -73,7 +73,7 @@ class Server:
         pids = []
         for c in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if "workers.worker" in " ".join(c.cmdline()):
+                if "workers.process.worker" in " ".join(c.cmdline()):
                     pids.append(c.pid)
             except (psutil.ZombieProcess, psutil.NoSuchProcess):
                 pass  # exited, not yet reaped by the supervisor: not a running worker

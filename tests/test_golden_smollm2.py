@@ -22,7 +22,7 @@ def llm():  # type: ignore[no-untyped-def]
 def test_greedy_matches_transformers_token_for_token(llm) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    from workers.models.loader import resolve
+    from workers.model_files import resolve
 
     outs = llm.chat(GOLDEN_CHATS, SamplingParams(max_tokens=64, temperature=0.0))
     longest = max(len(o.prompt_token_ids) for o in outs)

@@ -114,7 +114,7 @@ def test_write_then_prefill_reads_the_int8_cache() -> None:
 
 def _tiny_model(hf):  # type: ignore[no-untyped-def]
     from workers.config import EngineConfig, ModelConfig
-    from workers.engine import build_model
+    from workers.engine_build import build_model
     from workers.models.llama import LlamaConfig
 
     model, _ = build_model(LlamaConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()),
@@ -148,8 +148,8 @@ def test_model_logits_int8_kv_close_to_fp32() -> None:
 
 def _engine(hf, kv_cache_dtype: str = "int8", **cache: object):  # type: ignore[no-untyped-def]
     from workers.config import CacheConfig, EngineConfig, ModelConfig
-    from workers.core.scheduler import SchedulerConfig
-    from workers.engine import build_model, engine_from_model
+    from workers.core.scheduler_config import SchedulerConfig
+    from workers.engine_build import build_model, engine_from_model
     from workers.models.llama import LlamaConfig
 
     cfg = EngineConfig(ModelConfig("tiny"), CacheConfig(4, kv_cache_dtype=kv_cache_dtype, **cache),  # type: ignore[arg-type]
@@ -212,7 +212,7 @@ def test_cli_flag_reaches_the_engine_config() -> None:
     import argparse
 
     from gateway.cli import add_serve_parser, config_from_args
-    from workers.worker_args import add_engine_args, engine_config
+    from workers.process.worker_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -21,8 +21,8 @@ from ipc.codec import decode
 from ipc.messages import PROTOCOL_VERSION, Abort, Generate, Hello, RequestOutputMsg, Stats
 from ipc.sampling import SamplingParams
 from ipc.transport import gateway_router, worker_dealer
-from workers import step_sizing
-from workers.worker_io import WorkerIO
+from workers.process import step_sizing
+from workers.process.worker_io import WorkerIO
 
 
 def _gen(rid: str) -> Generate:

@@ -21,7 +21,9 @@ import torch
 from tests.tiny import EOS, VOCAB, hf_greedy, random_prompts, run_all
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.core.sampling_params import SamplingParams
-from workers.engine import LLMEngine, SchedulerConfig, engine_from_config
+from workers.engine import LLMEngine
+from workers.engine_build import engine_from_config
+from workers.core.scheduler_config import SchedulerConfig
 
 NEW_TOKENS = 12
 TOP = 5

@@ -40,8 +40,8 @@ def test_mid_prompt_chunks_compute_no_logits() -> None:
 
 def test_bfloat16_engine_runs_and_mostly_agrees_with_fp32() -> None:
     from workers.config import CacheConfig, EngineConfig, ModelConfig
-    from workers.core.scheduler import SchedulerConfig
-    from workers.engine import build_model, engine_from_model
+    from workers.core.scheduler_config import SchedulerConfig
+    from workers.engine_build import build_model, engine_from_model
     from workers.models.llama import LlamaConfig
 
     hf = hf_model(seed=5)
@@ -64,8 +64,8 @@ def test_bf16_kv_cache_under_fp32_model() -> None:
     """A bf16 cache halves decode's memory traffic; outputs stay close to fp32 and a prefix hit replays
     exactly the cold run (the uncached prefill path rounds K/V to the cache dtype too)."""
     from workers.config import CacheConfig, EngineConfig, ModelConfig
-    from workers.core.scheduler import SchedulerConfig
-    from workers.engine import build_model, engine_from_model
+    from workers.core.scheduler_config import SchedulerConfig
+    from workers.engine_build import build_model, engine_from_model
     from workers.models.llama import LlamaConfig
 
     hf = hf_model(seed=6)

@@ -19,7 +19,7 @@ from tests.test_gateway_units import _FakeTok
 from tests.tiny import VOCAB
 from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
-from workers.step_frames import entries, step_frames
+from workers.process.step_frames import entries, step_frames
 
 PROMPT = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(11)).tolist()
 

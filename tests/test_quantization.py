@@ -24,8 +24,8 @@ from kernels_cupy.torch_ref import TorchAttentionBackend
 from tests.cpu_support import built, results_per_isa
 from tests.tiny import hf_model
 from workers.config import CacheConfig, EngineConfig, ModelConfig
-from workers.core.scheduler import SchedulerConfig
-from workers.engine import build_model
+from workers.core.scheduler_config import SchedulerConfig
+from workers.engine_build import build_model
 from workers.models.gguf_blocks import rope_row_order
 from workers.models.linear import BlockLinear, quantize_linears, resolve_mode
 from workers.models.llama import LlamaConfig
@@ -238,7 +238,7 @@ def test_auto_is_the_default_for_the_offline_llm_and_the_worker() -> None:
     import inspect
 
     from workers.llm import LLM
-    from workers.worker_args import add_engine_args, engine_config
+    from workers.process.worker_args import add_engine_args, engine_config
 
     assert inspect.signature(LLM).parameters["quantization"].default == "auto"
     p = argparse.ArgumentParser()

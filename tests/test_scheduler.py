@@ -7,7 +7,8 @@ from workers.core.fair_queue import FairQueue
 from workers.core.outputs import RequestTimings, SampledToken, SchedulerOutput
 from workers.core.request import Request, RequestStatus
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.core.scheduler import Scheduler
+from workers.core.scheduler_config import SchedulerConfig
 
 
 def mk(rid: str, n: int, *, salt: str | None = None, weight: float = 1.0, max_tokens: int = 4,

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tests.test_scheduler_priority import Clock, check_random_workload, mk, plan, step
 from workers.core.block_manager import BlockManager
-from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.core.scheduler import Scheduler
+from workers.core.scheduler_config import SchedulerConfig
 
 
 def sched(budget: int = 64, background: int | None = None, policy: str = "priority", seqs: int = 8) -> Scheduler:

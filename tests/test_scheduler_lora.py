@@ -11,7 +11,8 @@ import pytest
 from tests.test_scheduler import finish_step, mk, plan_of
 from workers.core.block_manager import BlockManager
 from workers.core.request import Request
-from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.core.scheduler import Scheduler
+from workers.core.scheduler_config import SchedulerConfig
 
 
 def lora(rid: str, n: int, name: str | None, salt: str | None = None, tokens: list[int] | None = None) -> Request:

@@ -13,7 +13,8 @@ from workers.core.block_manager import BlockManager
 from workers.core.outputs import SampledToken, SchedulerOutput
 from workers.core.request import Request
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import Scheduler, SchedulerConfig
+from workers.core.scheduler import Scheduler
+from workers.core.scheduler_config import SchedulerConfig
 
 
 class Clock:

@@ -25,8 +25,8 @@ from workers.core.sampling_params import SamplingParams
 from workers.engine import LLMEngine
 from workers.grammar_compile import MAX_OVERDUE
 from workers.structured import COMPILE_THREADS, IDLE_POLL_S
-from workers.worker import Worker
-from workers.worker_io import EngineSnapshot, StepClock, StopRequest
+from workers.process.worker import Worker
+from workers.process.worker_io import EngineSnapshot, StepClock, StopRequest
 
 EOS = 2  # smollm2's <|im_end|>
 HANG = "hang-"  # a spec containing this compiles only once the test's gate is open

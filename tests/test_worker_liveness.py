@@ -149,7 +149,7 @@ def test_worker_heard_again_after_giving_up_holds_nothing_untracked(tiny_model_d
                        "--zmq-bind", f"tcp://127.0.0.1:{port}", workers=0, wait=False)
     worker_log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "workers.worker", "--connect", f"tcp://127.0.0.1:{port}", "--worker-id", "ext",
+        [sys.executable, "-m", "workers.process.worker", "--connect", f"tcp://127.0.0.1:{port}", "--worker-id", "ext",
          "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
          "--kv-cache-tokens", "16384", "--max-num-seqs", "2"],
         cwd=REPO, stdout=worker_log, stderr=subprocess.STDOUT,

@@ -59,7 +59,7 @@ class FakeGateway:
 @pytest.fixture()
 def worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
     gw = FakeGateway()
-    proc = subprocess.Popen([sys.executable, "-m", "workers.worker", "--connect", gw.addr, "--worker-id", "w0",
+    proc = subprocess.Popen([sys.executable, "-m", "workers.process.worker", "--connect", gw.addr, "--worker-id", "w0",
                              "--model", str(tiny_dir), "--kv-cache-tokens", "2048", "--block-size", "4",
                              "--quantization", "none"])  # fp32: compared with the offline engine below
     try:
@@ -136,8 +136,8 @@ def test_a_gateways_own_worker_exits_when_its_gateway_goes_away(tiny_dir: Path) 
     even while its parent process lives (a gateway wedged or cut off). One started by hand stays and rejoins the
     next gateway instead (issue 24 item 5, tests/test_external_worker.py)."""
     gw = FakeGateway()
-    proc = subprocess.Popen([sys.executable, "-m", "workers.worker", "--connect", gw.addr, "--model", str(tiny_dir),
-                             "--kv-cache-tokens", "1024", "--parent-pid", str(os.getpid())])
+    proc = subprocess.Popen([sys.executable, "-m", "workers.process.worker", "--connect", gw.addr,
+                             "--model", str(tiny_dir), "--kv-cache-tokens", "1024", "--parent-pid", str(os.getpid())])
     try:
         assert isinstance(gw.recv(timeout_s=120), Hello)
         gw.close()  # like a SIGKILLed gateway: the TCP connection drops

@@ -17,7 +17,7 @@ def test_threads_are_forwarded_and_validated() -> None:
 
 
 def test_worker_rejects_zero_threads() -> None:
-    from workers.worker_args import add_engine_args, engine_config
+    from workers.process.worker_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

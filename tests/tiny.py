@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from workers.config import CacheConfig, EngineConfig, ModelConfig
-from workers.core.scheduler import SchedulerConfig
-from workers.engine import LLMEngine, build_model, engine_from_model
+from workers.core.scheduler_config import SchedulerConfig
+from workers.engine import LLMEngine
+from workers.engine_build import build_model, engine_from_model
 from workers.models.llama import LlamaConfig
 
 VOCAB = 512

@@ -1,4 +1,5 @@
-"""kvgate workers: the engine (model, paged KV cache, scheduler, sampler) and the worker process.
+"""kvgate workers: the engine (model, paged KV cache, scheduler, sampler) and, in ``workers.process``, the worker
+process around it (which the engine never imports: ``tests/test_workers_layering.py``).
 
 ``LLM`` and the engine pull in torch; they are imported on first use so that light modules of this package
 (the engine core, sampling params) stay importable without it.

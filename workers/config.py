@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from common.engine_flags import DTYPES as _DTYPES
 from common.engine_flags import KV_CACHE_DTYPES as KV_CACHE_DTYPES
 from common.engine_flags import QUANTIZATIONS as _QUANTIZATIONS
-from workers.core.scheduler import SchedulerConfig
+from workers.core.scheduler_config import SchedulerConfig
 
 _BLOCK_MODES = _QUANTIZATIONS[2:]
 
@@ -51,7 +51,8 @@ class CacheConfig:
     kv_cache_tokens: int = 32768  # CPU: KV capacity as a token budget
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory the KV cache may take
     enable_prefix_caching: bool = True
-    # "auto": the model's dtype, but fp16 for a block-quantized float32 model on the CPU (engine.resolve_kv_dtype).
+    # "auto": the model's dtype, but fp16 for a block-quantized float32 model on the CPU
+    # (engine_build.resolve_kv_dtype).
     # "bfloat16": half the bytes per cached token; decode attention on a CPU is
     # bound by reading the cache, so this trades a little precision for speed and capacity. "int8": symmetric
     # int8 per token and KV head with an fp32 scale per row (kernels_cupy.kv_quant; CPU only), ~1/4 the bytes.

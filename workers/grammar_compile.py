@@ -34,6 +34,14 @@ class Compile:
     overdue: bool = False  # ran past the bound: its thread no longer counts against COMPILE_THREADS
     waiters: int = 0  # parked requests (and blocking callers) that want it
 
+    def want(self) -> None:
+        self.waiters += 1
+
+    def unwant(self) -> bool:
+        """One who wanted it no longer does; True when nobody does now."""
+        self.waiters -= 1
+        return self.waiters == 0
+
 
 @dataclass(eq=False)
 class Waiter:

@@ -11,9 +11,10 @@ from typing import Any
 from workers.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig
 from workers.core.outputs import EngineStats, StepOutput, TokenLogprobs
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import SchedulerConfig
+from workers.core.scheduler_config import SchedulerConfig
 from workers.core.spec_decode import SpeculativeConfig
-from workers.engine import LLMEngine, engine_from_config
+from workers.engine import LLMEngine
+from workers.engine_build import engine_from_config
 
 Prompt = str | Sequence[int]
 

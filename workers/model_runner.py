@@ -21,6 +21,7 @@ from workers.lora import LoraBatch, LoraRegistry
 from workers.core.outputs import PromptLogprob, RunnerOutput, ScheduledRequest, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler
+from workers.structured import StructuredOutputs, StructuredSampler
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, seed: int = 0) -> None:
+                 backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, seed: int = 0,
+                 loras: LoraRegistry | None = None) -> None:
         c = model.cfg
         self.model, self.backend, self.device = model, backend, device
         self.block_size = block_size
@@ -55,7 +57,11 @@ class ModelRunner:
                            torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(c.num_hidden_layers)]
         self.sampler = Sampler(c.vocab_size, device, seed)
         self.graphs: DecodeGraphs | None = None  # CUDA: captured decode steps (enable_cuda_graphs)
-        self.loras: LoraRegistry | None = None  # the engine's resident adapters (set with a lora_dir)
+        self.loras = loras  # the engine's resident adapters (None: no lora_dir)
+
+    def mask_with(self, outputs: StructuredOutputs) -> None:
+        """Structured outputs: the sampler masks a request's logits row by its grammar, then advances it."""
+        self.sampler = StructuredSampler(self.sampler, outputs)  # type: ignore[assignment]  # Sampler's API
 
     def enable_cuda_graphs(self, max_model_len: int, max_batch: int) -> bool:
         """Capture the decode step for batch sizes up to max_batch; False (logged) where the attention backend

@@ -227,7 +227,7 @@ class StructuredOutputs:
         if job.future.done() and refusal(job.future) is None:
             self._matchers[request_id] = job.future.result().deep_copy()
             return False
-        job.waiters += 1
+        job.want()
         self._waiting[request_id] = Waiter(job, self._clock())
         return True
 
@@ -275,8 +275,7 @@ class StructuredOutputs:
 
     def _unpark(self, request_id: str) -> None:
         w = self._waiting.pop(request_id)
-        w.compile.waiters -= 1
-        if w.compile.waiters == 0 and w.compile.future.cancel():  # still queued and nobody wants it now
+        if w.compile.unwant() and w.compile.future.cancel():  # still queued and nobody wants it now
             if self._compiles.get(w.compile.key) is w.compile:
                 del self._compiles[w.compile.key]
 
@@ -301,13 +300,13 @@ class StructuredOutputs:
         """The compiled (template) matcher for a spec, blocking until its compile ends: for tests and tools;
         the engine never waits for a compile."""
         job = self._compile_for(canonical(spec_text))
-        job.waiters += 1
+        job.want()
         try:
             while not job.future.done():
                 self._pump()
                 concurrent.futures.wait([job.future], 0.05)
         finally:
-            job.waiters -= 1
+            job.unwant()
         why = refusal(job.future)
         if why is not None:
             raise StructuredError(why[1])
@@ -362,9 +361,7 @@ def enable(engine: Any, tokenizer: Any, compile_timeout_s: float = COMPILE_TIMEO
     """Give an engine structured outputs (tokenizer: an HF tokenizer or its directory, loaded lazily by the
     first compile). ``clock`` times the compile bound (tests pass a fake one)."""
     outputs = StructuredOutputs(tokenizer, engine.vocab_size, compile_timeout_s, clock)
-    runner = engine.runner
-    runner.sampler = StructuredSampler(runner.sampler, outputs)
-    engine.structured = outputs
+    engine.use_structured(outputs)
     return outputs
 
 

@@ -300,7 +300,8 @@ class WorkerPool:
 
     def _on_step(self, w: WorkerState, msg: StepOutputs) -> None:
         now = trio.current_time()
-        if msg.num_batched_tokens:  # a step's further frames (workers.step_frames) say 0: one step, counted once
+        # a step's further frames (workers.process.step_frames) say 0: one step, counted once
+        if msg.num_batched_tokens:
             self.observer.iteration(w.worker_id, msg.num_batched_tokens)
         orphans: list[str] = []
         for out in msg.outputs:

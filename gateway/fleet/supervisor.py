@@ -97,7 +97,7 @@ class Supervisor:
         self._on_restart = on_restart  # counts restarts (metrics); called before each backoff
         self._count = count
         self._env = worker_env(count, engine.num_threads if engine.device == "cpu" else 1)
-        self._base_cmd = [python, "-m", "workers.worker", "--connect", connect, "--model", str(model),
+        self._base_cmd = [python, "-m", "workers.process.worker", "--connect", connect, "--model", str(model),
                           "--served-model-name", served_model_name, "--parent-pid", str(os.getpid()),
                           "--log-format", log_format, *engine.argv()]
         self._timing = timing

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from workers.core.request import Request
@@ -54,6 +54,15 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its leading full blocks
         self.prefix_queries = 0  # prompt tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # of which were found cached (counted by the scheduler on admission)
+
+    # ---- counters ------------------------------------------------------------------------------
+    def count_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """An admitted request's prompt was looked up in the prefix cache (``Stats`` reports the totals)."""
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    def reset_counters(self) -> None:
+        self.prefix_queries = self.prefix_hits = 0
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -106,6 +115,11 @@ class BlockManager:
             return []
         full = req.num_prompt_tokens // self.block_size
         return self._request_hashes(req, full)[req.num_computed_tokens // self.block_size:]
+
+    def prompt_blocks_in_flight(self, computing: Iterable[Request]) -> set[bytes]:
+        """The full prompt blocks these requests (a step's) are computing, by content hash."""
+        return {h for r in computing if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self.uncomputed_prompt_hashes(r)}
 
     def next_uncached_hash(self, req: Request, num_hits: int) -> bytes | None:
         """The hash of the first block after ``req``'s cached prefix, if that block is full (a lookup could hit)."""

@@ -75,6 +75,15 @@ class RequestTimings:
     finished: float
     preempted: tuple[float, ...] = ()
 
+    @classmethod
+    def of(cls, req: Request, now: float) -> RequestTimings:
+        """``req``'s milestones as offsets from its arrival, finished at ``now``."""
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - req.arrival_time
+
+        return cls(since(req.scheduled_time), since(req.first_token_time), now - req.arrival_time,
+                   tuple(t - req.arrival_time for t in req.preempted_times))
+
 
 @dataclass(frozen=True)
 class StepOutput:

@@ -39,6 +39,30 @@ def running_order(now: float) -> Callable[[Request], int]:
     return lambda req: effective(req, now)
 
 
+class BackgroundBudget:
+    """The prompt tokens a step still gives requests placed below 0 (``SchedulerConfig.background_budget``):
+    their prefill chunks (a prompt, or a recompute after preemption) share it; their decodes are never cut."""
+
+    def __init__(self) -> None:
+        self._left = 0
+
+    def start_step(self, budget: int) -> None:
+        self._left = budget
+
+    @staticmethod
+    def _counts(req: Request) -> bool:
+        """A request placed below 0 with more than its next token to compute: not a decode."""
+        return req.priority > 0 and req.num_tokens - req.num_computed_tokens > 1
+
+    def cap(self, req: Request, n: int) -> int:
+        """``n`` tokens of ``req`` this step, cut to what is left where it counts (0: none left this step)."""
+        return min(n, self._left) if self._counts(req) else n
+
+    def take(self, req: Request, n: int) -> None:
+        if self._counts(req):
+            self._left = max(0, self._left - n)
+
+
 def holds_back(running: Request, best_waiting: int | None, now: float) -> bool:
     """Whether ``running``'s prefill chunk waits this step for a better-placed arrival."""
     prefilling = running.num_computed_tokens < running.num_tokens - 1

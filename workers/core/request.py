@@ -1,5 +1,6 @@
-"""A request's state inside the engine. The scheduler owns the Request objects; the block manager owns
-their blocks (keyed by request id)."""
+"""A request's state inside the engine. The scheduler owns the Request objects and moves them through their
+states with the methods below (never by writing their fields); the block manager owns their blocks (keyed by
+request id)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,54 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def draft_room(self, budget: int) -> int:
+        """Tokens a speculative draft may add after this decoding request's next one: within the step's token
+        ``budget``, the context limit and max_tokens (tokens past a finish would be wasted)."""
+        room = min(budget, self.max_total_tokens - self.num_tokens + 1) - 1
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - len(self.output_token_ids) - 1)
+        return room
+
+    # ---- transitions (the scheduler's) ----------------------------------------------------------
+    def never_fits(self, limit: int) -> None:
+        """Finished before it ran: its prompt is over ``limit`` tokens (the context or the whole KV cache)."""
+        self.status = RequestStatus.FINISHED_IGNORED
+        self.error = f"prompt has {self.num_prompt_tokens} tokens, more than this worker's limit of {limit}"
+
+    def start(self, hit_tokens: int, now: float | None) -> None:
+        """Admitted to a batch, its first ``hit_tokens`` found in the prefix cache. ``now`` (needed only at its
+        first admission: a preempted request keeps its first time and its first hit count)."""
+        self.num_computed_tokens = hit_tokens
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = hit_tokens
+        if self.scheduled_time is None:
+            self.scheduled_time = now
+        self.status = RequestStatus.RUNNING
+
+    def preempt(self, now: float) -> None:
+        """Out of the batch, its blocks freed: prompt and generated tokens are computed again (recompute)."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.preempted_times.append(now)
+
+    def computed(self, num_tokens: int) -> None:
+        """A step computed (and kept the K/V of) ``num_tokens`` more of its tokens."""
+        self.num_computed_tokens += num_tokens
+
+    def sent_prompt_logprobs(self, num_positions: int) -> None:
+        self.prompt_lps_sent += num_positions
+
+    def append_token(self, token_id: int, now: float) -> RequestStatus | None:
+        """A sampled token joins the output; returns the finished status it causes, or None to go on."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(token_id)
+        return self.check_stop(token_id)
+
+    def finish(self, status: RequestStatus) -> None:
+        self.status = status
 
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Called after ``token_id`` was appended. Returns the finished status, or None to go on."""

@@ -19,14 +19,15 @@ and roll back). Everything else (greedy or sampled, penalties, logit bias, min_t
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.speculative import SpeculativeConfig
 
 EMA_WEIGHT = 0.5
 PROBE_INTERVAL = 8
-__all__ = ["SpeculativeConfig", "SpecCounters", "SpecState", "may_draft", "propose_ngram", "update_acceptance"]
+__all__ = ["SpeculativeConfig", "SpecCounters", "SpecState", "draft", "may_draft", "propose_ngram",
+           "update_acceptance"]
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix n-gram of
@@ -89,6 +90,21 @@ def may_draft(state: SpecState, cfg: SpeculativeConfig, num_running: int) -> boo
     if state.acceptance_ema >= cfg.acceptance_threshold:
         return True
     return state.steps_without_draft >= PROBE_INTERVAL
+
+
+def draft(state: SpecState, cfg: SpeculativeConfig, room: int, num_running: int,
+          tokens: Callable[[], Sequence[int]]) -> list[int]:
+    """A decoding request's draft: up to ``room`` tokens proposed from its ``tokens()`` (prompt + output, read
+    only when a draft is tried), or [] where the back-off rule says no (a step without a draft counts
+    towards the next probe)."""
+    if room < 1 or not may_draft(state, cfg, num_running):
+        update_acceptance(state, 0, 0)
+        return []
+    proposed = propose_ngram(tokens(), cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                             min(cfg.num_speculative_tokens, room))
+    if not proposed:
+        update_acceptance(state, 0, 0)
+    return proposed
 
 
 def update_acceptance(state: SpecState, drafted: int, accepted: int) -> None:

@@ -14,7 +14,6 @@ import torch
 
 from common.model_files import write_source
 from workers.config import ModelConfig
-from workers.model_files import resolve  # noqa: F401  (re-exported for callers)
 from workers.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final
 
 from workers.core.sampling_params import SamplingParams
@@ -59,9 +59,8 @@ def _prefill_ms(engine: LLMEngine, n: int, tag: str) -> float:
 def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> StepSizing:
     """Time probe prefills (the best of three each, so a hiccup of the machine does not shrink the budget for
     the worker's whole life) and size the budget. The engine's counters are reset afterwards."""
-    s = engine.scheduler
     long_n = max(_SHORT + 1, min(_LONG, engine.max_model_len - 1))
-    s.config = replace(s.config, max_num_batched_tokens=max(long_n, s.config.max_num_batched_tokens))
+    engine.set_token_budget(max(long_n, engine.scheduler.config.max_num_batched_tokens))  # a probe in one step
     short = min(_prefill_ms(engine, _SHORT, f"s{i}") for i in range(3))
     long = min(_prefill_ms(engine, long_n, f"l{i}") for i in range(3))
     per_token = max((long - short) / (long_n - _SHORT), 1e-6)
@@ -73,5 +72,5 @@ def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> StepSizin
 
 
 def apply(engine: LLMEngine, budget: int) -> None:
-    """Give the scheduler a config with this budget (a new frozen config, not a mutation of the old one)."""
-    engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
+    """Give the engine's steps this token budget."""
+    engine.set_token_budget(budget)

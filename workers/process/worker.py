@@ -1,12 +1,12 @@
 """Worker process: one engine replica behind a ZeroMQ DEALER, driven by the gateway.
 
-Two threads (see ``workers.worker_io``): the I/O thread owns the socket, so heartbeats leave on time and
-gateway messages arrive while a step runs; the engine thread (this module's loop) applies what arrived at
+Two threads (see ``workers.process.worker_io``): the I/O thread owns the socket, so heartbeats leave on time
+and gateway messages arrive while a step runs; the engine thread (this module's loop) applies what arrived at
 each step boundary (aborts before the next step), runs one step and hands its outputs over at once. The
 worker exits by itself when its parent process dies or the gateway has been gone for a while, so no worker
 outlives a SIGKILLed gateway.
 
-    python -m workers.worker --connect tcp://127.0.0.1:5555 --worker-id w0 --model smollm2
+    python -m workers.process.worker --connect tcp://127.0.0.1:5555 --worker-id w0 --model smollm2
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from ipc.messages import (PROTOCOL_VERSION, Abort, Drain, EngineTimings, Generat
                           Hello, Refused, RequestError, RequestOutputMsg, Shutdown)
 from ipc.curve import SECRET_SUFFIX, ClientCurve, client_curve
 from ipc.sync_transport import send, worker_dealer
-from workers import step_sizing
+from workers.process import step_sizing
 from workers.core.outputs import StepOutput
-from workers.engine import LLMEngine, engine_from_config
-from workers.step_frames import step_frames
+from workers.engine import LLMEngine
+from workers.engine_build import engine_from_config
+from workers.process.step_frames import step_frames
 from common.logs import FORMATS, setup_logging
 from common.startup import StartupProgress
-from workers.worker_args import add_engine_args, engine_config
-from workers.worker_io import REFUSED, EngineSnapshot, StopRequest, WorkerIO
+from workers.process.worker_args import add_engine_args, engine_config
+from workers.process.worker_io import REFUSED, EngineSnapshot, StopRequest, WorkerIO
 
 log = logging.getLogger("kvgate.worker")
 IDLE_WAIT_S = 1.0  # an idle engine sleeps on its inbox; a message wakes it at once

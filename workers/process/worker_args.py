@@ -7,7 +7,7 @@ import argparse
 
 from common.engine_flags import add_engine_flags, check, given
 from workers.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig
-from workers.core.scheduler import SchedulerConfig
+from workers.core.scheduler_config import SchedulerConfig
 from workers.core.spec_decode import SpeculativeConfig
 
 

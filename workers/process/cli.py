@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # the worker process owns its own argument parser
-        from workers.worker import main as worker_main
+        from workers.process.worker import main as worker_main
 
         return worker_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvgate", description="multi-tenant LLM serving")
