@@ -58,7 +58,7 @@ generate: setup
 
 test: setup redis-server postgresql chromium
 	$(PY) -m mypy --follow-imports=silent workers/core workers/process workers/engine.py workers/engine_build.py \
-		ipc common gateway tenancy chaos console
+		ipc common gateway tenancy chaos console kernels_cupy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup
