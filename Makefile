@@ -57,8 +57,7 @@ generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
 test: setup redis-server postgresql chromium
-	$(PY) -m mypy --follow-imports=silent workers/core workers/process workers/engine.py workers/engine_build.py \
-		ipc common gateway tenancy chaos console kernels_cupy
+	$(PY) -m mypy --follow-imports=silent workers ipc common gateway tenancy chaos console kernels_cupy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -61,14 +61,14 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = buckets_for(max_batch)
         n, cols = self.buckets[-1], -(-max_model_len // block_size)
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, **i64)  # (N,)
-        self.positions = torch.zeros(n, **i64)  # (N,)
-        self.slots = torch.full((n,), -1, **i64)  # (N,) -1: padding, never written
-        self.seq_lens = torch.ones(n, **i32)  # (N,) >= 1 for every row, padding included
-        self.block_tables = torch.zeros((n, cols), **i32)  # (N, max_model_len / BS)
-        self.query_start_loc = torch.arange(n + 1, **i32)  # (N + 1,) one query row per sequence
-        self.rows = torch.arange(n, **i64)  # (N,) every row sampled
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)  # (N,)
+        self.positions = torch.zeros(n, dtype=i64, device=device)  # (N,)
+        self.slots = torch.full((n,), -1, dtype=i64, device=device)  # (N,) -1: padding, never written
+        self.seq_lens = torch.ones(n, dtype=i32, device=device)  # (N,) >= 1 for every row, padding included
+        self.block_tables = torch.zeros((n, cols), dtype=i32, device=device)  # (N, max_model_len / BS)
+        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)  # (N + 1,) one query row per sequence
+        self.rows = torch.arange(n, dtype=i64, device=device)  # (N,) every row sampled
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> (bucket, V) fp32, the graph's output
         self.replays = 0  # steps served by a graph (tests and logs read it)

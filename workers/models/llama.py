@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -134,6 +134,9 @@ def project(m: nn.Module, x: torch.Tensor, step: StepCtx | None, name: str) -> t
 class Rotary(nn.Module):
     """cos/sin tables for every position up to the model's length, looked up by position per token."""
 
+    cos: torch.Tensor  # (max_len, D)
+    sin: torch.Tensor  # (max_len, D)
+
     def __init__(self, cfg: LlamaConfig, max_len: int) -> None:
         super().__init__()
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
@@ -159,7 +162,7 @@ class Attention(nn.Module):
         t, kv = x.shape[0], step.kv
         qkv = project(self.qkv_proj, x, step, "qkv_proj")  # (T, (Hq + 2 Hkv) D): q, k rotated in place, one call
         step.ops.rope_qk_(qkv, self.hq + self.hkv, self.d, step.tables, step.positions, step.rows)
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = torch.split(qkv, [self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         backend.write_kv(k, v, kv[0], kv[1], meta)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
@@ -193,7 +196,8 @@ class DecoderLayer(nn.Module):
         x += attention); returns this layer's MLP output, which the next layer (or the final norm) adds."""
         n1, n2, ops = self.input_layernorm, self.post_attention_layernorm, step.ops
         a = self.self_attn(ops.rms_norm(x, delta, n1.weight, n1.eps), step, meta, backend)
-        return self.mlp(ops.rms_norm(x, a, n2.weight, n2.eps), ops, step)
+        out: torch.Tensor = self.mlp(ops.rms_norm(x, a, n2.weight, n2.eps), ops, step)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -231,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         lora: RowDeltas | None = None,  # the step's LoRA rows (None: every row runs the base model)
     ) -> torch.Tensor:  # (S, vocab) fp32
         x = self.embed_tokens(input_ids)  # (T, H): a fresh tensor, the residual stream updated in place
-        tables = (cast(torch.Tensor, self.rotary.cos), cast(torch.Tensor, self.rotary.sin))
+        tables = (self.rotary.cos, self.rotary.sin)
         rows = None if self.ops.usable(x) else self.rotary(positions, x.dtype)
         delta: torch.Tensor | None = None
         # A step with LoRA rows takes the module path (the C++ stack has no LoRA yet); its base rows get the same
@@ -246,4 +250,5 @@ class LlamaForCausalLM(nn.Module):
                 delta = layer(x, delta, step, meta, backend)
         x, delta = x[logits_indices], None if delta is None else delta[logits_indices]
         x = self.ops.rms_norm(x, delta, self.norm.weight, self.norm.eps)  # (S, H): only sampled rows
-        return self.lm_head(x).float()
+        logits: torch.Tensor = self.lm_head(x)
+        return logits.float()
