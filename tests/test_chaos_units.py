@@ -20,7 +20,8 @@ from console.kvgate import main as kvgate_main
 ISSUE_DRILLS = ["worker-kill", "worker-freeze", "slow-steps", "disconnect-storm", "overload", "slow-readers",
                 "redis-outage", "store-trouble", "gateway-kill", "bad-input", "rolling-restart",
                 "hostile-schemas", "stalled-streams", "worker-hijack",  # issue 24
-                "batch-interactive", "batch-kills"]  # issue 26
+                "batch-interactive", "batch-kills",  # issue 26
+                "lora-churn"]  # issue 25
 
 
 def test_every_drill_of_the_issue_is_listed(capsys: pytest.CaptureFixture[str]) -> None:

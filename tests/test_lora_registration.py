@@ -215,6 +215,46 @@ def test_another_tenants_adapter_resolves_as_an_unknown_name(tmp_path: Path) -> 
         trio.run(main)
 
 
+def test_a_read_that_raced_a_write_is_not_kept() -> None:
+    """A registry read under way when an admin write commits (and invalidates) may return the old table: it is
+    not kept as the snapshot, so the next request sees the write at once, not a second later (the lora-churn drill
+    saw a just-registered adapter answer 404)."""
+    import threading
+
+    from tenancy.models import LoraAdapterRecord
+
+    class Racing:
+        def __init__(self) -> None:
+            self.rows: list[LoraAdapterRecord] = []
+            self.reading, self.release = threading.Event(), threading.Event()
+            self.slow = True
+
+        def list(self) -> list[LoraAdapterRecord]:
+            old = list(self.rows)  # what the read sees: the table before the write
+            if self.slow:
+                self.reading.set()
+                self.release.wait(5)
+            return old
+
+    store = Racing()
+    catalog = AdapterCatalog(store, ttl=60.0)  # type: ignore[arg-type]
+    added = LoraAdapterRecord("new", "d", None, 0.0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async def early() -> None:
+                assert await catalog.resolve("new", "ten_x") is None  # began before the write: may miss it
+            nursery.start_soon(early)
+            await trio.to_thread.run_sync(store.reading.wait)
+            store.rows.append(added)  # the write commits ...
+            catalog.invalidate()  # ... and the admin route invalidates, while the read is still under way
+            store.slow = False
+            store.release.set()
+        assert await catalog.resolve("new", "ten_x") == added  # not the raced read's table, for a minute
+
+    trio.run(main)
+
+
 def test_a_failing_or_hung_registry_is_a_503_not_a_stalled_request() -> None:
     class Broken:
         def list(self) -> list[Any]:

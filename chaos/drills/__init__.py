@@ -9,6 +9,7 @@ from chaos.drills.batch_kills import BatchKills
 from chaos.drills.disconnect_storm import DisconnectStorm
 from chaos.drills.gateway_kill import GatewayKill
 from chaos.drills.hostile_schemas import HostileSchemas
+from chaos.drills.lora_churn import LoraChurn
 from chaos.drills.overload import Overload
 from chaos.drills.redis_outage import RedisOutage
 from chaos.drills.rolling_restart import RollingRestart
@@ -22,10 +23,10 @@ from chaos.drills.worker_hijack import WorkerHijack
 
 def all_drills() -> list[Drill]:
     # Issue 24's drills (hostile-schemas, stalled-streams, worker-hijack) follow the first issue's eleven, then
-    # issue 26's (batch-interactive, batch-kills).
+    # issue 26's (batch-interactive, batch-kills), then issue 25's (lora-churn).
     return [WorkerKill(), WorkerFreeze(), SlowSteps(), DisconnectStorm(), Overload(), SlowReaders(), RedisOutage(),
             StoreTrouble(), GatewayKill(), BadInput(), RollingRestart(), HostileSchemas(),
-            StalledStreams(), WorkerHijack(), BatchInteractive(), BatchKills()]
+            StalledStreams(), WorkerHijack(), BatchInteractive(), BatchKills(), LoraChurn()]
 
 
 def by_name() -> dict[str, Drill]:

@@ -35,6 +35,9 @@ class AdapterCatalog:
         self._clock = clock
         self._snapshot: dict[str, LoraAdapterRecord] = {}
         self._expires = -float("inf")
+        # Bumped by invalidate(): a read that was already under way when a write committed may hold the old table,
+        # so it is served to its own waiters but not kept (the next request reads again).
+        self._generation = 0
         self._lock = trio.Lock()  # one read of the table at a time, however many requests wait for it
 
     @property
@@ -42,6 +45,7 @@ class AdapterCatalog:
         return self._store is not None
 
     def invalidate(self) -> None:
+        self._generation += 1
         self._expires = -float("inf")
 
     async def _all(self) -> dict[str, LoraAdapterRecord]:
@@ -52,8 +56,12 @@ class AdapterCatalog:
             with trio.fail_after(self._timeout_s):
                 async with self._lock:
                     if self._clock() >= self._expires:
+                        generation = self._generation
                         records = await trio.to_thread.run_sync(self._store.list, abandon_on_cancel=True)
-                        self._snapshot = {r.name: r for r in records}
+                        snapshot = {r.name: r for r in records}
+                        if generation != self._generation:  # a write committed during the read: maybe not in it
+                            return snapshot
+                        self._snapshot = snapshot
                         self._expires = self._clock() + self._ttl
                     return self._snapshot
         except trio.TooSlowError:
