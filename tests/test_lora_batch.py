@@ -129,3 +129,48 @@ def test_unknown_adapter_finishes_with_a_clear_error(hf: Any, loras: Path) -> No
     no_dir.add_request("w", [5, 6, 7], PARAMS, lora="attn")
     (out,) = no_dir.step()
     assert out.error_code == "model_not_found" and "no lora_dir" in (out.error or "")
+
+
+def test_the_cpu_kernel_gives_the_python_loops_bits(hf: Any, loras: Path) -> None:
+    """``lora_add`` (one C++ call a projection, adapter groups on the threads) against the Python loop it replaced
+    (flinear per group and slice, then the scale and the add): the same bits on every projection and layer, for
+    groups of 1-5 rows of three adapters (ranks 4, 8, 16, each its own targets) among base rows, at 1 and 2
+    threads."""
+    import torch
+
+    from kernels_cupy.cpu.qgemm import load_qgemm
+    from tests.cpu_support import built
+    from workers.lora.adapter import load_adapter
+    from workers.lora.batch import LoraBatch
+    from workers.models.llama import LlamaConfig
+
+    kernel = built(load_qgemm(), "the quantized GEMM kernel")
+    base = LlamaConfig.from_hf(hf.config.to_dict())
+    adapters = [load_adapter(loras / n, n, base) for n in ("attn", "mlp", "all")]
+    rows = {"attn": [0, 3], "mlp": [5], "all": [1, 2, 6, 8, 9]}  # rows 4 and 7: the base
+    g = torch.Generator().manual_seed(7)
+    sizes = {"qkv_proj": (base.hidden_size, base.num_attention_heads * base.head_dim
+                          + 2 * base.num_key_value_heads * base.head_dim),
+             "o_proj": (base.num_attention_heads * base.head_dim, base.hidden_size),
+             "gate_up_proj": (base.hidden_size, 2 * base.intermediate_size),
+             "down_proj": (base.intermediate_size, base.hidden_size)}
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            fused = LoraBatch.build(rows, {a.name: a for a in adapters}, kernel, torch.device("cpu"))
+            loop = LoraBatch.build(rows, {a.name: a for a in adapters}, kernel, torch.device("cpu"))
+            assert fused is not None and loop is not None and fused._fused
+            loop._fused = False
+            for layer in range(base.num_hidden_layers):
+                for proj, (n_in, n_out) in sizes.items():
+                    x = torch.randn(10, n_in, generator=g)
+                    y = torch.randn(10, n_out, generator=g)
+                    y_fused, y_loop = y.clone(), y.clone()
+                    fused.add(layer, proj, x, y_fused)
+                    loop.add(layer, proj, x, y_loop)
+                    assert torch.equal(y_fused, y_loop), (t, layer, proj)
+                    assert torch.equal(y_fused[[4, 7]], y[[4, 7]])  # base rows untouched
+                    assert not torch.equal(y_fused, y)
+    finally:
+        torch.set_num_threads(threads)

@@ -4,6 +4,7 @@
 
 #include "qgemm_core.h"
 #include "fgemm.h"
+#include "lora_add.h"
 
 static torch::Tensor half_scales(const torch::Tensor& t, int64_t n, int64_t nb, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == nb, name, " must be (N, K/32)");
@@ -113,5 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flinear", &flinear, "x @ W^T (+ b) in fp32 with one fixed summation order (CPU)", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none());
   m.def("fgemm_isa", &fgemm_isa, "the instruction-set path of flinear, chosen at run time");
+  m.def("lora_add", &lora_add, "a step's LoRA deltas on one projection, every adapter group in one call (CPU)",
+        py::arg("x"), py::arg("y"), py::arg("rows"), py::arg("a"), py::arg("scale"), py::arg("s_group"),
+        py::arg("s_cols"), py::arg("b"));
 }
 #endif

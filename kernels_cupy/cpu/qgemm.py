@@ -26,7 +26,7 @@ def load_qgemm() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         mod = load_extension("kvgate_cpu_qgemm", [_DIR / "qgemm.cpp"],
-                             headers=sorted(_DIR.glob("qgemm*.h")) + [_DIR / "fgemm.h"],
+                             headers=sorted(_DIR.glob("qgemm*.h")) + [_DIR / "fgemm.h", _DIR / "lora_add.h"],
                              cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # see kernels_cupy/cpu/__init__.py
                              ldflags=["-fopenmp"])
         log.info("quantized GEMM kernel: %s path", mod.isa())

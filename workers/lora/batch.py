@@ -9,8 +9,9 @@ row in fp32 (one rounding per element), so a row's bits are the same alone or be
 Base rows are not touched at all. Without the kernel (no C++ build, CUDA) torch's F.linear runs, which is not
 batch-invariant, like the base linears there.
 
-This is the Python path of a later C++/CUDA kernel (BGMV/SGMV style): one shrink and one expand per adapter group
-and projection, a Python loop over adapters; steps with LoRA rows do not use the C++ decode stack.
+On the CPU the whole loop runs in C++ (``lora_add``, kernels_cupy/cpu/lora_add.h: one call a projection, the
+groups on the threads, the same arithmetic bit for bit: tests/test_lora_batch.py); the Python loop stays for
+CUDA and for a build without the kernel. Steps with LoRA rows do not use the C++ decode stack.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class LoraBatch:
     def __init__(self, groups: Sequence[tuple[LoraAdapter, torch.Tensor]], kernel: Any | None) -> None:
         self.groups = list(groups)  # (adapter, rows (n,) int64 of the flat batch)
         self._kernel = kernel
+        self._fused = kernel is not None and hasattr(kernel, "lora_add")
+        self._args: dict[tuple[int, str], tuple[Any, ...] | None] = {}  # lora_add's arguments, built once a step
 
     @staticmethod
     def build(row_adapters: Mapping[str, list[int]], adapters: Mapping[str, LoraAdapter], kernel: Any | None,
@@ -45,8 +48,39 @@ class LoraBatch:
             return out
         return F.linear(x.float(), w)
 
+    def _fused_args(self, layer: int, proj: str) -> tuple[Any, ...] | None:
+        """lora_add's per-group and per-slice arguments for one projection (None: no adapter targets it)."""
+        key = (layer, proj)
+        if key not in self._args:
+            rows: list[torch.Tensor] = []
+            a: list[torch.Tensor] = []
+            b: list[torch.Tensor] = []
+            scale: list[float] = []
+            s_group: list[int] = []
+            s_cols: list[int] = []
+            for adapter, r in self.groups:
+                p = adapter.layers[layer].get(proj)
+                if p is None:
+                    continue
+                for s in p.slices:
+                    s_group.append(len(rows))
+                    s_cols += [s.lo, s.hi, s.r_lo, s.r_hi]
+                    b.append(s.b)
+                rows.append(r)
+                a.append(p.a)
+                scale.append(adapter.scale)
+            self._args[key] = (rows, a, scale, s_group, s_cols, b) if rows else None
+        return self._args[key]
+
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (T, out) += each adapter's delta on its own rows of x (T, in), in place."""
+        kernel = self._kernel
+        if self._fused and kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
+                and y.dtype == torch.float32 and y.is_contiguous():
+            args = self._fused_args(layer, proj)
+            if args is not None:
+                kernel.lora_add(x.contiguous(), y, *args)
+            return
         for adapter, rows in self.groups:
             p = adapter.layers[layer].get(proj)
             if p is None:
