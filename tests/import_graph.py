@@ -4,6 +4,7 @@ function, under ``TYPE_CHECKING``), so nothing is imported: what the layering te
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,3 +66,11 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := visit(m)) is not None:
             return found
     return None
+
+
+def edges_cycle(found: Iterable[Edge]) -> list[str] | None:
+    """One import circle among ``found`` edges (importer, target, line), as ``cycle`` gives it, or None."""
+    graph: dict[str, set[str]] = {}
+    for importer, target, _ in found:
+        graph.setdefault(importer, set()).add(target)
+    return cycle(graph)

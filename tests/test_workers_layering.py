@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.import_graph import REPO, Edge, cycle, edges, modules_of
+from tests.import_graph import REPO, Edge, edges, edges_cycle, modules_of
 
 PROCESS = "workers.process"
 # Third-party packages the engine never reaches: the worker process's transport, and the gateway's async stack.
@@ -115,8 +115,5 @@ def test_the_core_is_pure() -> None:
 
 
 def test_no_import_circle_between_workers_modules() -> None:
-    graph: dict[str, set[str]] = {}
-    for importer, target, _ in workers_edges():
-        graph.setdefault(importer, set()).add(target)
-    found = cycle(graph)
+    found = edges_cycle(workers_edges())
     assert found is None, "import circle: " + " -> ".join(found or ())
