@@ -44,9 +44,9 @@
                 "slice ", s, ": b must be (hi - lo, rhi - rlo) contiguous fp32");
   }
   for (int64_t s = 1; s < S; ++s) TORCH_CHECK(s_group[s - 1] <= s_group[s], "slices must come in group order");
-  std::vector<int64_t> first(G + 1, S);  // slices of group g: [first[g], first[g + 1]) (they come in group order)
-  for (int64_t s = S - 1; s >= 0; --s) first[s_group[s]] = s;
-  for (int64_t g = G - 1; g >= 0; --g) first[g] = std::min(first[g], first[g + 1]);
+  std::vector<int64_t> first(G + 1, 0);  // slices of group g: [first[g], first[g + 1]) (they come in group order)
+  for (int64_t s = 0; s < S; ++s) ++first[s_group[s] + 1];
+  for (int64_t g = 0; g < G; ++g) first[g + 1] += first[g];
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {

@@ -9,6 +9,7 @@ that fails any check raises ValueError and leaves nothing behind (the registry o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,16 @@ class LoraProj:
 
     a: torch.Tensor  # (n_targets * r, in) fp32, contiguous
     slices: tuple[LoraSlice, ...]
+
+    @functools.cached_property
+    def cols(self) -> list[int]:
+        """(lo, hi, r_lo, r_hi) of every slice, flat: lora_add's per-slice columns (kernels_cupy/cpu/lora_add.h)."""
+        return [c for s in self.slices for c in (s.lo, s.hi, s.r_lo, s.r_hi)]
+
+    @functools.cached_property
+    def bs(self) -> list[torch.Tensor]:
+        """Every slice's expand b, in slice order."""
+        return [s.b for s in self.slices]
 
 
 @dataclass(frozen=True)

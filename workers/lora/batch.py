@@ -32,7 +32,6 @@ class LoraBatch:
         self.groups = list(groups)  # (adapter, rows (n,) int64 of the flat batch)
         self._kernel = kernel
         self._fused = kernel is not None and hasattr(kernel, "lora_add")
-        self._args: dict[tuple[int, str], tuple[Any, ...] | None] = {}  # lora_add's arguments, built once a step
 
     @staticmethod
     def build(row_adapters: Mapping[str, list[int]], adapters: Mapping[str, LoraAdapter], kernel: Any | None,
@@ -49,28 +48,25 @@ class LoraBatch:
         return F.linear(x.float(), w)
 
     def _fused_args(self, layer: int, proj: str) -> tuple[Any, ...] | None:
-        """lora_add's per-group and per-slice arguments for one projection (None: no adapter targets it)."""
-        key = (layer, proj)
-        if key not in self._args:
-            rows: list[torch.Tensor] = []
-            a: list[torch.Tensor] = []
-            b: list[torch.Tensor] = []
-            scale: list[float] = []
-            s_group: list[int] = []
-            s_cols: list[int] = []
-            for adapter, r in self.groups:
-                p = adapter.layers[layer].get(proj)
-                if p is None:
-                    continue
-                for s in p.slices:
-                    s_group.append(len(rows))
-                    s_cols += [s.lo, s.hi, s.r_lo, s.r_hi]
-                    b.append(s.b)
-                rows.append(r)
-                a.append(p.a)
-                scale.append(adapter.scale)
-            self._args[key] = (rows, a, scale, s_group, s_cols, b) if rows else None
-        return self._args[key]
+        """lora_add's per-group and per-slice arguments for one projection (None: no adapter targets it). Each
+        projection is called once a step, so they are assembled per call from what each adapter keeps ready."""
+        rows: list[torch.Tensor] = []
+        a: list[torch.Tensor] = []
+        b: list[torch.Tensor] = []
+        scale: list[float] = []
+        s_group: list[int] = []
+        s_cols: list[int] = []
+        for adapter, r in self.groups:
+            p = adapter.layers[layer].get(proj)
+            if p is None:
+                continue
+            s_group += [len(rows)] * len(p.slices)
+            s_cols += p.cols
+            b += p.bs
+            rows.append(r)
+            a.append(p.a)
+            scale.append(adapter.scale)
+        return (rows, a, scale, s_group, s_cols, b) if rows else None
 
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (T, out) += each adapter's delta on its own rows of x (T, in), in place."""
