@@ -91,6 +91,35 @@ static inline void prefetch_row(const KV* r, int64_t W) {
   for (int64_t o = 0; o < W * static_cast<int64_t>(sizeof(KV)); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
+// The prefetch cursor of one chunk [t0, t1) of KV head h: each position's K and V rows (pfw elements from head h's
+// row on), the first kPrefetchRows at once, then one position kPrefetchRows ahead of the pass on each ahead().
+// pfw 0: nothing (this head's rows came with the first head's). Prefetches only: no numerics.
+template <typename KV>
+struct Prefetcher {
+  const KV *kp, *vp;
+  const int32_t* bt;
+  int64_t BS, Hkv, h, W, pfw, t1, pt, blk, off;
+
+  Prefetcher(const KV* k, const KV* v, const int32_t* table, int64_t t0, int64_t end, int64_t bs, int64_t hkv,
+             int64_t head, int64_t w, int64_t width)
+      : kp(k), vp(v), bt(table), BS(bs), Hkv(hkv), h(head), W(w), pfw(width), t1(end), pt(width == 0 ? end : t0),
+        blk(t0 / bs), off(t0 % bs) {
+    while (pt < t1 && pt < t0 + kPrefetchRows) next();  // the first rows all at once, not a miss at a time
+  }
+
+  void ahead() {
+    if (pt < t1) next();
+  }
+
+  void next() {
+    const int64_t at = ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
+    prefetch_row(kp + at, pfw);
+    prefetch_row(vp + at, pfw);
+    if (++off == BS) { off = 0; ++blk; }
+    ++pt;
+  }
+};
+
 // One context chunk [t0, t1) for a group of nr query rows of one sequence (rows of a prefill chunk, or a single
 // decode row): same contract as attend_group in paged_decode.cpp. Row r sees positions [t0, min(t1, lens[r]));
 // lens are nondecreasing and lens[0] > t0. Each K/V row is loaded (and widened) once for every row and query
@@ -105,19 +134,9 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
   constexpr int64_t D = 8 * V;
   const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
-  // Prefetch cursor (pt its position): K row for this pass, V row for the next (prefetches: no numerics).
-  int64_t pt = t0, pblk = blk, poff = off;
-  auto prefetch_next = [&] {
-    const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
-    prefetch_row(kp + at, pfw);
-    prefetch_row(vp + at, pfw);
-    if (++poff == BS) { poff = 0; ++pblk; }
-    ++pt;
-  };
-  if (pfw == 0) pt = t1;  // nothing to prefetch: this head's rows came with the first head's
-  while (pt < t1 && pt < t0 + kPrefetchRows) prefetch_next();  // the first rows all at once, not a miss at a time
+  Prefetcher<KV> pf(kp, vp, bt, t0, t1, BS, Hkv, h, W, pfw);  // K rows for this pass, V rows for the next
   for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
-    if (pt < t1) prefetch_next();  // the row kPrefetchRows ahead
+    pf.ahead();
     while (lens[rf] <= t) ++rf;  // rows [rf, nr) see position t
     const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
     if (++off == BS) { off = 0; ++blk; }

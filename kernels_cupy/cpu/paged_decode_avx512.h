@@ -110,23 +110,14 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
   constexpr int64_t D = 16 * Z;
   const int64_t S = G * (D + 2);
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
-  int64_t pt = t0, pblk = blk, poff = off;
-  auto prefetch_next = [&] {
-    const int64_t at = ((static_cast<int64_t>(bt[pblk]) * BS + poff) * Hkv + h) * W;
-    avx2dec::prefetch_row(kp + at, pfw);
-    avx2dec::prefetch_row(vp + at, pfw);
-    if (++poff == BS) { poff = 0; ++pblk; }
-    ++pt;
-  };
-  if (pfw == 0) pt = t1;
-  while (pt < t1 && pt < t0 + avx2dec::kPrefetchRows) prefetch_next();
+  avx2dec::Prefetcher<KV> pf(kp, vp, bt, t0, t1, BS, Hkv, h, W, pfw);
   for (int64_t tb = t0; tb < t1; tb += 8) {  // scores (nr, G, CH), eight positions at a time
     const int64_t nt = std::min<int64_t>(8, t1 - tb);
     while (lens[rf] <= tb) ++rf;  // rows [rf, nr) see position tb; a row that stops inside the eight gets
                                   // scores past its end, which its softmax never reads
     alignas(32) float s8[8];
     for (int64_t j = 0; j < nt; ++j) {
-      if (pt < t1) prefetch_next();
+      pf.ahead();
       const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
       if (++off == BS) { off = 0; ++blk; }
       __m512 k[Z];
