@@ -6,8 +6,9 @@ smollm2). Three parts, each a flag:
 
 - ``--make-expectation FILE`` (CPU, here): greedy tokens and top-5 logprobs of the probes under ``none``.
 - ``--check FILE`` (GPU): the same probes on ``cuda`` fp32: tokens against the expectation and against
-  transformers fp32 on the same GPU; then each probe alone (cold), again (prefix hit), beside 12 other requests,
-  and chunked at 16 tokens: tokens and logprobs compared with ``==`` against the cold run.
+  transformers fp32 on the same GPU; then, in fp32 and in bf16, each probe alone (cold), again (prefix hit),
+  beside 12 other requests, and chunked at 16 tokens: tokens and logprobs compared with ``==`` against the cold
+  run (the determinism rule).
 - ``--throughput`` (GPU): c requests of ``--prompt-len`` random tokens, ``--output-len`` greedy tokens each
   (ignore_eos), through kvgate's engine and through transformers ``generate`` (one batch of c), same weights and
   dtype; wall time, output tok/s and kvgate's median decode-step time.
@@ -18,10 +19,12 @@ smollm2). Three parts, each a flag:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +145,21 @@ def check(path: Path, device: str) -> Result:
     hf = hf_model(shape, sd, torch.float32, device)
     res["vs_transformers_fp32"] = {rid: f"{common_prefix(cold[rid][0], hf_greedy(hf, [ids], PROBE_TOKENS)[0][0])}"
                                         f"/{PROBE_TOKENS}" for rid, ids in p.items()}
-    del hf
+    del hf, eng
+    res["determinism"] = determinism(shape, sd, device, "float32", p)
+    res["determinism_bfloat16"] = determinism(shape, sd, device, "bfloat16", p)
+    return res
+
+
+def determinism(shape: str, sd: dict[str, torch.Tensor], device: str, dtype: str,
+                p: dict[str, list[int]]) -> Result:
+    """Each probe alone on a cold cache, then again (prefix hit), beside 12 other requests that joined first,
+    and all probes together chunked at 16 tokens: tokens and logprobs compared with == against the cold run."""
+    eng = engine(shape, sd, device, dtype)
+    cold: dict[str, Any] = {}
+    for rid, ids in p.items():
+        t, lp, _ = run(eng, {rid: ids}, PROBE_TOKENS, logprobs=5)
+        cold[rid] = (t[rid], lp[rid])
     others = {f"other{i}": ids for i, ids in enumerate(random_prompts(12, 48, SHAPES[shape]["vocab_size"], 7))}
     ways: dict[str, tuple[dict[str, list[int]], dict[str, list[Any]]]] = {}
     t, lp = {}, {}
@@ -154,26 +171,46 @@ def check(path: Path, device: str) -> Result:
     ways["beside_12_others"] = ({k[:-1]: v for k, v in a.items() if k.endswith("x")},
                                 {k[:-1]: v for k, v in b.items() if k.endswith("x")})
     del eng
-    chunked = engine(shape, sd, device, "float32", batched_tokens=16)
+    chunked = engine(shape, sd, device, dtype, batched_tokens=16)
     a, b, _ = run(chunked, p, PROBE_TOKENS, logprobs=5)
     ways["chunked_16_together"] = (a, b)
-    res["determinism"] = {way: {"tokens_equal": sum(t[r] == cold[r][0] for r in p),
-                                "logprobs_bit_equal": sum(lp[r] == cold[r][1] for r in p),
-                                "max_logprob_diff": max(abs(x[0] - y[0]) for r in p
-                                                        for x, y in zip(lp[r], cold[r][1])),
-                                "of": len(p)} for way, (t, lp) in ways.items()}
-    return res
+    return {way: {"tokens_equal": sum(t[r] == cold[r][0] for r in p),
+                  "logprobs_bit_equal": sum(lp[r] == cold[r][1] for r in p),
+                  "max_logprob_diff": max(abs(x[0] - y[0]) for r in p for x, y in zip(lp[r], cold[r][1])),
+                  "of": len(p)} for way, (t, lp) in ways.items()}
+
+
+@contextlib.contextmanager
+def batch_variant(on: bool) -> Iterator[None]:
+    """The engine as it was before the determinism rule reached the GPU (for the cost of the rule, measured in
+    the same call): cuBLAS on the step's own row count, torch's RMSNorm, attention split per step ("auto")."""
+    if not on:
+        yield
+        return
+    import workers.engine_build as eb
+    import workers.models.loader as ld
+    from kernels_cupy.cupy_backend import CupyAttentionBackend
+
+    saved = eb.default_backend, ld._batch_invariant_cuda
+    eb.default_backend = lambda device: CupyAttentionBackend(split="auto")  # type: ignore[assignment]
+    ld._batch_invariant_cuda = lambda model, device: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        eb.default_backend, ld._batch_invariant_cuda = saved
 
 
 def throughput(shape: str, dtype: torch.dtype, concurrency: list[int], prompt_len: int, output_len: int,
-               device: str) -> Result:
+               device: str, engines: list[str]) -> Result:
     name = str(dtype).removeprefix("torch.")
     sd = state_dict(shape, device=device)
     vocab = SHAPES[shape]["vocab_size"]
     rows: list[Result] = []
-    for label, eager in (("kvgate", False), ("kvgate-eager", True)):  # CUDA graphs, then every step eager
+    for label in engines:  # kvgate: CUDA graphs; -eager: every step eager; -variant: the batch-variant path
         t0 = time.perf_counter()
-        eng = engine(shape, sd, device, name, batched_tokens=2048, max_seqs=max(concurrency), eager=eager)
+        with batch_variant(label.endswith("-variant")):
+            eng = engine(shape, sd, device, name, batched_tokens=2048, max_seqs=max(concurrency),
+                         eager=label.endswith("-eager"))
         print(f"{shape} {label}: engine ready in {time.perf_counter() - t0:.1f} s (graphs captured, warmed up)")
         for c in concurrency:
             prompts = {f"c{c}-{i}": ids for i, ids in enumerate(random_prompts(c, prompt_len, vocab, seed=c))}
@@ -203,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--throughput-shapes", default="smollm2,llama1b")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--engines", default="kvgate,kvgate-eager",
+                    help="kvgate (CUDA graphs), kvgate-eager, kvgate-variant (batch-variant GEMMs/norm/attention)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", type=Path)
@@ -220,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         report["throughput"] = []
         for shape in a.throughput_shapes.split(","):
             r = throughput(shape, getattr(torch, a.dtype), [int(c) for c in a.concurrency.split(",")],
-                           a.prompt_len, a.output_len, a.device)
+                           a.prompt_len, a.output_len, a.device, a.engines.split(","))
             report["throughput"].append(r)
             for row in r["rows"]:
                 print(f"{shape:8} {r['dtype']:9} c{row['c']:<3} {row['engine']:12} {row['out_tok_s']:9.1f} tok/s "

@@ -5,6 +5,7 @@
 #
 #   run: bash bench/gpu_session.sh   (WHL_DIR: wheels of what the device image lacks; TOK_DIR: smollm2's tokenizer)
 #   STAGES="kernels attention" bash bench/gpu_session.sh   runs a subset
+#   stages: env graphs tests kernels e2e throughput attention serve sanitizer
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 DEVICE=${DEVICE:-cuda}
@@ -77,7 +78,7 @@ serve_check() {  # kvgate serve on the device with a random-weight smollm2-shape
 }
 
 export -f env_info serve_check
-export OUT DEVICE PY TOK_DIR SERVE_DTYPE SERVE_CS SERVE_OUT
+export OUT DEVICE PY TOK_DIR SERVE_DTYPE SERVE_CS SERVE_OUT SANITIZE_TESTS
 
 if want env; then
     if ls "$WHL_DIR"/*.whl >/dev/null 2>&1; then
@@ -90,9 +91,15 @@ fi
 if want graphs; then  # CUDA graphs of the decode step against eager steps
     stage graphs "${GRAPHS_LIMIT:-50}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE tests/test_cuda_graphs.py
 fi
-if want e2e; then  # greedy tokens and determinism on the device (fp32), then tok/s against transformers (bf16)
+if want tests; then  # the GPU tests other than the kernel grid: graphs, row kernels, tiled GEMMs, LoRA, nvcc builds
+    stage tests "${TESTS_LIMIT:-150}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 120 \
+        -n "${XDIST:-4}" ${GPU_TESTS:-tests/test_cuda_graphs.py tests/test_rows_cuda.py tests/test_kernels_compile.py}
+fi
+if want e2e; then  # greedy tokens and determinism on the device (fp32, bf16), then tok/s against transformers (bf16)
     stage e2e "${CHECK_LIMIT:-75}" "$PY" bench/gpu_e2e.py --device "$DEVICE" \
         --check bench/data/gpu_expect_smollm2.json
+fi
+if want e2e || want throughput; then
     stage e2e "${E2E_LIMIT:-110}" "$PY" bench/gpu_e2e.py --device "$DEVICE" --throughput \
         --json "$OUT/e2e_throughput.json" ${E2E_ARGS:-}
 fi
@@ -111,8 +118,8 @@ fi
 if want sanitizer; then  # a few small cases under memcheck and racecheck (slow: every launch is instrumented)
     for tool in memcheck racecheck; do
         stage sanitizer 45 compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -m pytest --noconftest \
-            -p no:cacheprovider -q "tests/test_kernels_gpu.py::test_never_reads_unwritten_slots[always]" \
-            "tests/test_kernels_gpu.py::test_decode_grid[always-8-2048-smollm2-fp16]"
+            -p no:cacheprovider -q ${SANITIZE_TESTS:-"tests/test_kernels_gpu.py::test_never_reads_unwritten_slots[always]" \
+            "tests/test_kernels_gpu.py::test_decode_grid[always-8-2048-smollm2-fp16]"}
     done
 fi
 echo "== summary"

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels_cupy.interface import AttentionBackend, AttentionMetadata
+from kernels_cupy.interface import AttentionBackend, AttentionMetadata, as_decode_rows
 from kernels_cupy.kernels import (
     DEFAULT_PARTITION_SIZE,
     KERNEL_FILES,
+    SPLIT_MODES,
     Buf,
     KernelConfig,
     Launch,
@@ -101,13 +102,20 @@ class CupyAttentionBackend:
 
     Layouts the kernels do not cover (head_dim outside 32/64/128/256, other dtypes) go to the torch reference,
     logged once per layout.
+
+    ``split``: ``invariant`` (the default, what the engine runs) treats every query row as a decode row
+    (:func:`kernels_cupy.interface.as_decode_rows`) and always splits its context at the fixed
+    ``partition_size``: a row's result then depends on its own context alone, not on its batch, its chunk, a
+    prefix-cache hit or whether a CUDA graph runs it (the determinism rule). ``auto`` / ``always`` / ``never``
+    run prefill chunks through the prefill kernel and choose split-K per step (auto: by the grid's size), which
+    is faster for long prompts but lets a row's last bits depend on its step; tests and benchmarks use them.
     """
 
     name = "cupy"
 
-    def __init__(self, split: str = "auto", partition_size: int = DEFAULT_PARTITION_SIZE) -> None:
-        if split not in ("auto", "always", "never"):
-            raise ValueError(f"split must be auto, always or never, got {split!r}")
+    def __init__(self, split: str = "invariant", partition_size: int = DEFAULT_PARTITION_SIZE) -> None:
+        if split not in SPLIT_MODES:
+            raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
         if partition_size < TILE or partition_size % TILE:
             raise ValueError(f"partition_size must be a positive multiple of {TILE}, got {partition_size}")
         self._cp = import_cupy()
@@ -216,12 +224,15 @@ class CupyAttentionBackend:
             return self._reference.forward(query, key, value, k_cache, v_cache, meta, scale)
         if t == 0:
             return torch.empty_like(query)
+        split = self.split
+        if split == "invariant":
+            meta, split = as_decode_rows(meta), "always"
         q = _unit_last(query.to(TORCH_DTYPES[cfg.query_dtype]))  # (T, Hq, D)
         out = torch.empty((t, hq, d), dtype=q.dtype, device=query.device)  # (T, Hq, D) contiguous
         tables = meta.block_tables.to(torch.int32).contiguous()  # (B, max_blocks)
         plan = plan_forward(hq, k_cache.shape[2], d, (q.stride(0), q.stride(1)), tables.shape[1],
                             meta.query_lens_cpu, meta.seq_lens_cpu, meta.num_decodes, scale,
-                            self._sms(query.device), self.partition_size, self.split)
+                            self._sms(query.device), self.partition_size, split)
         buffers = {"out": out, "query": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
                    "seq_lens": meta.seq_lens.to(torch.int32).contiguous(),
                    "query_start_loc": meta.query_start_loc.to(torch.int32).contiguous()}

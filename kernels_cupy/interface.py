@@ -56,3 +56,34 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
+
+
+def as_decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same step with every query row its own one-token sequence: row r of a sequence whose chunk starts
+    at context position c sees keys [0, c + r], through that sequence's block-table row.
+
+    This is how a backend makes a row's attention independent of its step: a prompt row then runs the very
+    arithmetic a decode row runs (one kernel, one fixed split of its context), whether it came in a chunk of 16 or
+    512, after a prefix-cache hit or not, or as a decode token (kernels_cupy/cupy_backend.py, mode "invariant").
+    """
+    if meta.num_decodes == meta.num_seqs:
+        return meta  # every sequence has one query row already
+    row_seq: list[int] = []
+    row_len: list[int] = []
+    for s, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        row_seq += [s] * qlen
+        row_len += range(slen - qlen + 1, slen + 1)
+    dev = meta.seq_lens.device
+    t = len(row_seq)
+    lens = torch.tensor(row_len, dtype=torch.int32).to(dev)  # (T,)
+    seqs = torch.tensor(row_seq, dtype=torch.int64).to(dev)  # (T,)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=dev),
+        seq_lens=lens,
+        block_tables=meta.block_tables.index_select(0, seqs),  # (T, max_blocks)
+        query_lens_cpu=(1,) * t,
+        seq_lens_cpu=tuple(row_len),
+        num_decodes=t,
+        max_seq_len=meta.max_seq_len,
+    )

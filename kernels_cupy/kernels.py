@@ -31,6 +31,10 @@ DEFAULT_PARTITION_SIZE = 512  # split-K partition, tokens; a multiple of TILE
 # enough 16-token tiles in flight to cover HBM latency on A100/H100.
 SPLIT_CTAS_PER_SM = 4
 
+# How a backend splits attention: "invariant" runs every query row as a decode row with split-K always on at a
+# fixed partition size (batch-invariant, the engine's default); the others choose per step (cupy_backend.py).
+SPLIT_MODES = ("invariant", "auto", "always", "never")
+
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 CUDA_TYPE = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}

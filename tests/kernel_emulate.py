@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels_cupy.interface import AttentionMetadata
+from kernels_cupy.interface import AttentionMetadata, as_decode_rows
 from kernels_cupy.kernels import (
     NUM_WARPS,
     THREAD_GROUP,
@@ -382,9 +382,12 @@ class EmulatedAttentionBackend:
         t, hq, d = query.shape
         cfg = self._config(k_cache, hq, query.dtype)
         q = query
+        split = self.split
+        if split == "invariant":  # as the CuPy backend does: every query row a decode row, split-K always
+            meta, split = as_decode_rows(meta), "always"
         plan = plan_forward(hq, k_cache.shape[2], d, (q.stride(0), q.stride(1)), meta.block_tables.shape[1],
                             meta.query_lens_cpu, meta.seq_lens_cpu, meta.num_decodes, scale, self.sm_count,
-                            self.partition_size, self.split)
+                            self.partition_size, split)
         self.last_plan = plan
         bufs = {"out": np.full(t * hq * d, np.nan, F32), "query": flat(q), "k_cache": flat(k_cache),
                 "v_cache": flat(v_cache), "block_tables": meta.block_tables.contiguous().numpy().reshape(-1),

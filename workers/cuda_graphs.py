@@ -14,9 +14,10 @@ What a graph fixes at capture and how a replay stays correct:
   length are never read (seq_lens bound every read).
 
 Only pure decode steps replay (every sequence one new token, every row sampled: no prefill chunk, draft or
-prompt logprobs); the rest run eagerly. Numerics: the graph's attention always splits K, the eager path splits
-only long contexts, and cuBLAS picks its GEMM by the padded row count, so a row's logits can differ in the last
-bits between a graph and an eager step (the GPU is not bit-deterministic across batches either way; the CPU is).
+prompt logprobs); the rest run eagerly. Numerics: a graph runs the eager step's arithmetic, so a row's bits are
+the same replayed or eager, at any bucket: attention in the backend's "invariant" mode (every row a decode row,
+split-K at a fixed partition size), GEMMs on fixed row tiles (workers/models/cuda_linear.py) and RMSNorm through
+the row kernel (kernels_cupy/rows_cuda.py); none of them depends on how many rows share the step.
 """
 
 from __future__ import annotations

@@ -71,7 +71,10 @@ class ModelRunner:
         if not isinstance(self.backend, CupyAttentionBackend):
             log.warning("CUDA graphs need the CuPy attention kernels; every step runs eagerly")
             return False
-        backend = CupyAttentionBackend(split="always", partition_size=self.backend.partition_size)
+        # A graph's geometry is fixed at capture, so its attention always splits K; "invariant" does too, and is
+        # kept so that a graph and an eager step give a row the same bits.
+        split = "invariant" if self.backend.split == "invariant" else "always"
+        backend = CupyAttentionBackend(split=split, partition_size=self.backend.partition_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, backend, self.device, max_model_len,
                                    self.block_size, max_batch)
         self.graphs.capture()

@@ -1,5 +1,6 @@
 """The elementwise ops around a decoder layer's matmuls, behind one interface: the C++ kernels
-(``kernels_cupy/cpu/fused_ops.cpp``) on fp32 CPU tensors, the torch references everywhere else.
+(``kernels_cupy/cpu/fused_ops.cpp``) on fp32 CPU tensors, the CUDA row kernels (``kernels_cupy/rows_cuda.py``:
+RMSNorm, whose torch reduction is not batch-invariant) on CUDA tensors, the torch references everywhere else.
 
 A decode step of SmolLM2 ran ~600 small aten ops (RMSNorm as float/pow/mean/add/rsqrt/mul/to/mul, rope as
 slice/neg/cat/mul/mul/add per q and k, silu/mul, residual adds), several microseconds of dispatch each: a
@@ -37,10 +38,12 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
 
 
 class FusedOps:
-    """Dispatch: the kernel for fp32 CPU tensors where it was built, else the references."""
+    """Dispatch: the kernel for fp32 CPU tensors where it was built, the CUDA row ops (``cuda``) for CUDA
+    tensors they cover, else the references."""
 
-    def __init__(self, kernel: Any | None) -> None:
+    def __init__(self, kernel: Any | None, cuda: Any | None = None) -> None:
         self.kernel: Any = kernel
+        self.cuda: Any = cuda
 
     def usable(self, x: torch.Tensor) -> bool:
         return self.kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -49,6 +52,9 @@ class FusedOps:
         if self.usable(x) and w.dtype == torch.float32:
             out: torch.Tensor = self.kernel.rms_norm(x, delta, w, eps)
             return out
+        if self.cuda is not None and self.cuda.covers(x, delta, w):
+            cuda_out: torch.Tensor = self.cuda.rms_norm(x, delta, w, eps)
+            return cuda_out
         return rms_norm_ref(x, delta, w, eps)
 
     def rope_qk_(self, qkv: torch.Tensor, heads: int, head_dim: int, tables: tuple[torch.Tensor, torch.Tensor],

@@ -110,7 +110,20 @@ def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: i
             from kernels_cupy.cpu.stack import load_stack
 
             model.stack_kernel = load_stack()
+    if device.type == "cuda":
+        _batch_invariant_cuda(model, device)
     return model.eval()
+
+
+def _batch_invariant_cuda(model: LlamaForCausalLM, device: torch.device) -> None:
+    """The CUDA model's batch-invariant pieces: GEMMs on fixed row tiles (cuBLAS picks its kernel by shape) and
+    RMSNorm through the row kernel (torch's reduction picks its layout by shape); the determinism rule."""
+    from kernels_cupy.rows_cuda import cuda_rows_or_none
+    from workers.models.cuda_linear import tile_linears
+    from workers.models.fused import FusedOps
+
+    tile_linears(model)
+    model.ops = FusedOps(None, cuda_rows_or_none(device))
 
 
 def apply_quantization(model: LlamaForCausalLM, cfg: ModelConfig, gguf: Path | None) -> str:
