@@ -49,10 +49,19 @@ def peft_model(hf: Any, path: Path) -> Any:
 
 def lora_engine(hf: Any, lora_dir: Path | None, *, block_size: int = 4, max_num_batched_tokens: int = 64,
                 max_loras: int = 8, max_cpu_loras: int | None = None, quantization: str = "none",
-                max_num_seqs: int = 32) -> LLMEngine:
-    cfg = EngineConfig(ModelConfig("tiny", "cpu", "float32", None, 0, quantization=quantization),
-                       CacheConfig(block_size, 4096, 0.9, True),
+                max_num_seqs: int = 32, device: str = "cpu", dtype: str = "float32") -> LLMEngine:
+    cfg = EngineConfig(ModelConfig("tiny", device, dtype, None, 0, quantization=quantization),
+                       CacheConfig(block_size, 4096, 0.05 if device == "cuda" else 0.9, True),
                        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_loras=max_loras),
                        LoraConfig(None if lora_dir is None else str(lora_dir), max_cpu_loras))
     model, max_len = build_model(LlamaConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), cfg)
     return engine_from_model(model, cfg, max_len)
+
+
+def three_adapters(hf: Any, d: Path) -> Path:
+    """The tests' standard set in ``d``: "attn" (rank 4), "mlp" (rank 16, alpha 8) and "all" (rank 8)."""
+    make_adapter(hf, d / "attn", ATTN, r=4, seed=1)
+    make_adapter(hf, d / "mlp", MLP, r=16, alpha=8, seed=2)
+    make_adapter(hf, d / "all", ALL, r=8, seed=3)
+    return d
+

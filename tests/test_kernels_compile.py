@@ -190,3 +190,57 @@ def test_nvrtc_compiles_what_the_backend_sends(arch: str) -> None:
             rc, log, lowered = nvrtc_compile(lib, K.load_source(f), exprs, arch)
             assert rc == 0 and "warning" not in log.lower(), f"{f} {qdt}/{kvdt}: {log}"
             assert all(name.startswith("_Z") for name in lowered), lowered
+
+
+# ----------------------------- the kernels outside attention: csrc/lora.cu (kernels_cupy/lora_cuda.py) and
+# csrc/rows.cu (kernels_cupy/rows_cuda.py), each compiled with the instantiations its host side asks for
+
+ROW_KERNELS = ("lora_cuda", "rows_cuda")
+
+
+def _unit(module: str) -> tuple[str, tuple[str, ...]]:
+    import importlib
+
+    m = importlib.import_module(f"kernels_cupy.{module}")
+    return m.FILE, m.EXPRESSIONS
+
+
+@needs_nvcc
+@pytest.mark.parametrize("module", ROW_KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_row_kernels_compile_for_every_dtype(tmp_path: Path, arch: str, module: str) -> None:
+    f, exprs = _unit(module)
+    r = nvcc(tmp_path, f"{module}-{arch}", f, exprs, arch)
+    assert r.returncode == 0 and "warning" not in r.stderr.lower(), r.stderr
+
+
+def test_lora_source_matches_its_host_side() -> None:
+    from kernels_cupy import lora_cuda as L
+
+    text = (K.CSRC_DIR / L.FILE).read_text()
+    sigs = {}
+    for name, params, _ in SIGNATURE_RE.findall(_strip_comments(text)):
+        sigs[name] = tuple("ptr" if "*" in p else {"int": "i32", "i64": "i64", "float": "f32"}[p.split()[0]]
+                           for p in (p.strip() for p in params.split(",")))
+    assert sigs == L.SIGNATURES
+    defines = dict(re.findall(r"#define (LORA_\w+) (.+?)\s*(?://.*)?$", text, re.M))
+    assert int(defines["LORA_MAX_SLICES"]) == L.MAX_SLICES
+    assert defines["LORA_REC"] == "(4 + 5 * LORA_MAX_SLICES)" and L.REC == 4 + 5 * L.MAX_SLICES
+    assert not re.search(r"#include\s*<", text) and "mapping" in text.lower()
+    for m in SIGNATURE_RE.finditer(text):
+        for line in filter(str.strip, (m.group(2) + (m.group(3) or "")).splitlines()):
+            assert "//" in line, f"argument without a comment: {line}"
+            if "*" in line.split("//")[0]:
+                assert re.search(r"//\s*\(", line), f"pointer argument without a shape comment: {line}"
+
+
+@pytest.mark.skipif(find_nvrtc() is None, reason="libnvrtc not found (set KVGATE_NVRTC to its path)")
+@pytest.mark.parametrize("module", ROW_KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvrtc_compiles_the_row_kernels(arch: str, module: str) -> None:
+    lib = find_nvrtc()
+    assert lib is not None
+    f, exprs = _unit(module)
+    rc, log, lowered = nvrtc_compile(lib, K.load_source(f), exprs, arch)
+    assert rc == 0 and "warning" not in log.lower(), log
+    assert all(name.startswith("_Z") for name in lowered), lowered

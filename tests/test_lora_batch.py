@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.lora_support import ALL, ATTN, MLP, lora_engine, make_adapter
+from tests.lora_support import lora_engine, three_adapters
 from tests.tiny import hf_model, random_prompts
 from workers.core.outputs import StepOutput
 from workers.core.sampling_params import SamplingParams
@@ -28,12 +28,7 @@ def hf() -> Any:
 
 @pytest.fixture(scope="module")
 def loras(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("loras")
-    make_adapter(hf, d / "attn", ATTN, r=4, seed=1)
-    make_adapter(hf, d / "mlp", MLP, r=16, alpha=8, seed=2)
-    make_adapter(hf, d / "all", ALL, r=8, seed=3)
-    return d
-
+    return three_adapters(hf, tmp_path_factory.mktemp("loras"))
 
 def drain(eng: LLMEngine) -> dict[str, Answer]:
     out: dict[str, Answer] = {}

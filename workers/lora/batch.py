@@ -11,35 +11,60 @@ batch-invariant, like the base linears there.
 
 On the CPU the whole loop runs in C++ (``lora_add``, kernels_cupy/cpu/lora_add.h: one call a projection, the
 groups on the threads, the same arithmetic bit for bit: tests/test_lora_batch.py); the Python loop stays for
-CUDA and for a build without the kernel. Steps with LoRA rows do not use the C++ decode stack.
+CUDA without CuPy and for a build without the kernel. Steps with LoRA rows do not use the C++ decode stack.
+
+On CUDA (with CuPy) two CuPy RawKernels a projection cover every group (kernels_cupy/lora_cuda.py, csrc/lora.cu):
+a warp per shrink output and a thread per expand output, each one fixed-order fp32 chain whatever the batch, so a
+row's bits are again its own; the step's row map and adapter records go to the device once, at its first
+projection. Without CuPy the F.linear loop runs (logged once), not batch-invariant.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kernels_cupy import lora_cuda
 from workers.lora.adapter import LoraAdapter
+
+log = logging.getLogger(__name__)
+_cuda_kernels: bool | None = None  # CuPy importable: decided (and a fallback logged) once a process
+
+
+def cuda_kernels() -> bool:
+    """Whether the CUDA path may use csrc/lora.cu (CuPy importable); logs the fallback once."""
+    global _cuda_kernels
+    if _cuda_kernels is None:
+        _cuda_kernels = importlib.util.find_spec("cupy") is not None
+        if not _cuda_kernels:
+            log.warning("CuPy is not importable: LoRA deltas on CUDA run torch's F.linear per adapter, which is "
+                        "not batch-invariant")
+    return _cuda_kernels
 
 
 class LoraBatch:
     """Row groups of one step, one per adapter present (base rows belong to none)."""
 
-    def __init__(self, groups: Sequence[tuple[LoraAdapter, torch.Tensor]], kernel: Any | None) -> None:
+    def __init__(self, groups: Sequence[tuple[LoraAdapter, torch.Tensor]], kernel: Any | None,
+                 row_lists: Sequence[Sequence[int]] | None = None) -> None:
         self.groups = list(groups)  # (adapter, rows (n,) int64 of the flat batch)
         self._kernel = kernel
         self._fused = kernel is not None and hasattr(kernel, "lora_add")
+        self._row_lists = row_lists  # the groups' rows as host lists (the CUDA tables; None: read back)
+        self._cuda: tuple[lora_cuda.LoraStep, torch.Tensor] | None = None  # tables, h (n, r_cap) fp32 scratch
 
     @staticmethod
     def build(row_adapters: Mapping[str, list[int]], adapters: Mapping[str, LoraAdapter], kernel: Any | None,
               device: torch.device) -> LoraBatch | None:
         """``row_adapters``: adapter name -> its rows of the flat batch; None when no row uses an adapter."""
-        groups = [(adapters[name], torch.tensor(rows, dtype=torch.int64, device=device))
-                  for name, rows in row_adapters.items() if rows]
-        return LoraBatch(groups, kernel) if groups else None
+        used = [(name, rows) for name, rows in row_adapters.items() if rows]
+        groups = [(adapters[name], torch.tensor(rows, dtype=torch.int64, device=device)) for name, rows in used]
+        return LoraBatch(groups, kernel, [rows for _, rows in used]) if groups else None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (n, in) @ (out, in)^T -> (n, out)
         if self._kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32:
@@ -77,6 +102,9 @@ class LoraBatch:
             if args is not None:
                 kernel.lora_add(x.contiguous(), y, *args)
             return
+        if x.device.type == "cuda" and cuda_kernels() and lora_cuda.check_operands(x.contiguous(), y) is None:
+            self._cuda_add(layer, proj, x.contiguous(), y)
+            return
         for adapter, rows in self.groups:
             p = adapter.layers[layer].get(proj)
             if p is None:
@@ -86,3 +114,13 @@ class LoraBatch:
                 d = self._linear(h[:, s.r_lo:s.r_hi], s.b)  # (n, hi - lo)
                 d.mul_(adapter.scale)  # PEFT's order: (B (A x)) * scale, then added to the base output
                 y[rows, s.lo:s.hi] += d.to(y.dtype)
+
+    def _cuda_add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The CUDA kernels: the step's tables are built at its first projection and serve every later one."""
+        if self._cuda is None:
+            rows = self._row_lists if self._row_lists is not None else [r.tolist() for _, r in self.groups]
+            step = lora_cuda.pack_step([(a, r) for (a, _), r in zip(self.groups, rows)], x.device)
+            h = torch.empty((step.n, step.r_cap), dtype=torch.float32, device=x.device)  # (n, r_cap)
+            self._cuda = (step, h)
+        step, h = self._cuda
+        lora_cuda.launch_add(step, layer, proj, x, y, h)
