@@ -74,8 +74,9 @@ def test_decode_grid(dtype: torch.dtype, heads: tuple[int, int, int], batch: int
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("block_size", [16, 32, 1])
+@pytest.mark.parametrize("split", ["auto", "invariant"])  # prefill kernel; every row a decode row (the engine's)
 def test_mixed_batch_with_cached_prefix_chunks(dtype: torch.dtype, heads: tuple[int, int, int],
-                                               block_size: int) -> None:
+                                               block_size: int, split: str) -> None:
     hq, hkv, d = heads
     seqs = [(4096, 1), (1, 1), (33, 1),  # decodes
             (700, 256),  # chunk over a 444-token cached prefix
@@ -86,7 +87,7 @@ def test_mixed_batch_with_cached_prefix_chunks(dtype: torch.dtype, heads: tuple[
     share = [(6, 3, 256 // block_size), (2, 5, 1)] if block_size > 1 else [(6, 3, 256)]
     case = build_case(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size, dtype=dtype,
                       device="cuda", share=share, fused_qkv=True, seed=block_size)
-    compare(case, backend(), dtype)
+    compare(case, backend(split), dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -100,7 +101,7 @@ def test_16bit_cache_under_an_fp32_model(cache_dtype: torch.dtype, split: str) -
     compare(case, backend(split), torch.float32)
 
 
-@pytest.mark.parametrize("split", ["never", "always"])
+@pytest.mark.parametrize("split", ["never", "always", "invariant"])
 def test_never_reads_unwritten_slots(split: str) -> None:
     seqs = [(1, 1), (15, 1), (17, 1), (5000, 1), (300, 40), (64, 64)]
     case = build_case(seqs, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",

@@ -1,6 +1,7 @@
 """Multi-LoRA through the engine on a real GPU: base rows and three adapters in one mixed, chunked batch give
 every request the bits it gets served alone (the determinism rule on CUDA: tiled GEMMs, the row kernel, the
-invariant attention and csrc/lora.cu), in fp32 and bf16; and fp32 greedy tokens equal the CPU engine's.
+invariant attention and csrc/lora.cu), in fp32 and bf16; and fp32 greedy tokens equal the CPU engine's, also for
+a head size the CUDA attention kernels do not cover (reference attention, CUDA graphs refused).
 
 Skipped unless torch sees CUDA and CuPy imports (tests/test_lora_batch.py is the same check on the CPU).
 """
@@ -30,11 +31,24 @@ NAMES = [None, "attn", "mlp", "all", "all", None, "attn", "mlp"]
 Answer = tuple[list[int], list[Any]]
 
 
+def _base(wide: bool, tmp: Path) -> tuple[Any, Path]:
+    model = hf_model(seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                     num_key_value_heads=2) if wide else hf_model(seed=0)
+    return model, three_adapters(model, tmp)
+
+
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    """The tiny base model and a directory of three adapters over it."""
-    model = hf_model(seed=0)
-    return model, three_adapters(model, tmp_path_factory.mktemp("lora"))
+def covered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A tiny base model with head_dim 32 (the CUDA attention kernels cover it) and three adapters over it."""
+    return _base(True, tmp_path_factory.mktemp("lora32"))
+
+
+@pytest.fixture(scope="module")
+def uncovered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """head_dim 16: a layout the kernels do not cover, so the torch reference attention runs and CUDA graphs are
+    refused (padding rows would write slot -1 through its index_copy_)."""
+    return _base(False, tmp_path_factory.mktemp("lora16"))
+
 
 def _serve(eng: LLMEngine, requests: list[tuple[str, list[int], str | None]], stagger: bool) -> dict[str, Answer]:
     pending = list(requests)
@@ -54,8 +68,8 @@ def _serve(eng: LLMEngine, requests: list[tuple[str, list[int], str | None]], st
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mixed_lora_batch_on_cuda_equals_each_served_alone(base: tuple[Any, Path], dtype: str) -> None:
-    hf, loras = base
+def test_mixed_lora_batch_on_cuda_equals_each_served_alone(covered: tuple[Any, Path], dtype: str) -> None:
+    hf, loras = covered
     prompts = random_prompts(8, 3, 60, seed=11)
     requests = [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, NAMES))]
     mixed = _serve(lora_engine(hf, loras, max_num_batched_tokens=40, device="cuda", dtype=dtype), requests, True)
@@ -65,8 +79,9 @@ def test_mixed_lora_batch_on_cuda_equals_each_served_alone(base: tuple[Any, Path
     assert len({tuple(mixed[f"r{i}"][0]) for i in range(4)}) > 1  # the adapters do change the answers
 
 
-def test_cuda_lora_tokens_equal_the_cpu_engines(base: tuple[Any, Path]) -> None:
-    hf, loras = base
+@pytest.mark.parametrize("layout", ["covered", "uncovered"])
+def test_cuda_lora_tokens_equal_the_cpu_engines(layout: str, request: pytest.FixtureRequest) -> None:
+    hf, loras = request.getfixturevalue(layout)
     prompts = random_prompts(8, 3, 60, seed=11)
     requests = [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, NAMES))]
     gpu = _serve(lora_engine(hf, loras, device="cuda"), requests, True)

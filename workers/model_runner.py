@@ -65,11 +65,19 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_model_len: int, max_batch: int) -> bool:
         """Capture the decode step for batch sizes up to max_batch; False (logged) where the attention backend
-        is not the CuPy one (the torch reference loops over host-side lengths, which a graph would freeze)."""
-        from kernels_cupy.cupy_backend import CupyAttentionBackend
+        is not the CuPy one or its kernels do not cover this cache's layout (the torch reference loops over
+        host-side lengths, which a graph would freeze, and writes padding rows' slot -1 out of bounds)."""
+        from kernels_cupy.cupy_backend import TORCH_DTYPE_NAME, CupyAttentionBackend
+        from kernels_cupy.kernels import unsupported_reason
 
         if not isinstance(self.backend, CupyAttentionBackend):
             log.warning("CUDA graphs need the CuPy attention kernels; every step runs eagerly")
+            return False
+        k = self.kv_caches[0][0]  # (NB, BS, Hkv, D)
+        reason = unsupported_reason(TORCH_DTYPE_NAME.get(k.dtype, str(k.dtype)), k.shape[3], k.shape[1])
+        if reason is not None:
+            log.warning("CUDA graphs need the CuPy attention kernels, which do not cover this layout (%s); every "
+                        "step runs eagerly", reason)
             return False
         # A graph's geometry is fixed at capture, so its attention always splits K; "invariant" does too, and is
         # kept so that a graph and an eager step give a row the same bits.
