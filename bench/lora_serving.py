@@ -4,10 +4,12 @@ base model, and the LRU swap-in time.
 Offline, through ``workers.llm.LLM("smollm2", lora_dir=...)``: 16 prompts of random tokens (fixed seed), greedy,
 ``ignore_eos``, every prompt gets exactly ``--output-tokens`` tokens; prefix caching off so repeated runs compute
 the same work. Adapters are random PEFT adapters built by peft on the real base model (as tests/lora_support.py
-builds them), rank 16, targets q/k/v/o/gate/up/down; stream i runs adapter ``i % 8`` (two streams each). Runs
-alternate in one process (base, lora, base-module per round; best of ``--rounds``): ``base-module`` is the base
-load with the C++ decode stack switched off for the run, the path every step with LoRA rows takes, so the ratio
-splits into "module path instead of the stack" and "the LoRA deltas themselves".
+builds them), rank 16, targets q/k/v/o/gate/up/down, saved in ``--adapter-dtype`` (bf16 by default: PEFT saves the
+training dtype, and most fine-tunes train in bf16); stream i runs adapter ``i % 8`` (two streams each). Runs
+alternate in one process (base, lora, lora-fp32, base-module per round; best of ``--rounds``): ``lora-fp32`` runs
+the same adapters re-saved in fp32 (the same values: what a 16-bit adapter cost before it kept its width);
+``base-module`` is the base load with the C++ decode stack switched off for the run, the path every step with LoRA
+rows takes, so the ratio splits into "module path instead of the stack" and "the LoRA deltas themselves".
 
 Swap-in: a second engine with ``max_loras = max_cpu_loras = 2``, requests for the 8 adapters in turn (each one
 must be read from disk, evicting the least recently used) and then the same adapter again (resident): the time of
@@ -39,7 +41,7 @@ from workers.model_runner import ModelRunner  # noqa: E402
 from workers.models.llama import LlamaForCausalLM  # noqa: E402
 
 MODEL = "smollm2"
-VARIANTS = ("base", "lora", "base-module")
+VARIANTS = ("base", "lora", "lora-fp32", "base-module")
 
 
 def cpu_line() -> str:
@@ -53,8 +55,23 @@ def cpu_line() -> str:
             f"{fields.get('Model', '?')}), {fields.get('CPU(s)', '?')} CPUs; flags: {' '.join(simd)}")
 
 
-def build_adapters(root: Path, n: int, rank: int) -> list[str]:
-    """``n`` random PEFT adapters of the base model under ``root``; their names."""
+def resave(src: Path, dst: Path, dtype: str) -> None:
+    """``src``'s adapter at ``dst`` with every weight converted to ``dtype`` (the config as it is)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if src != dst:
+        shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_file(str(weights)).items()},
+              str(weights))
+
+
+def build_adapters(root: Path, n: int, rank: int, dtype: str) -> list[str]:
+    """``n`` random PEFT adapters of the base model under ``root`` saved in ``dtype`` (names a0..), and the same
+    values in fp32 (w0..); the a-names."""
     import torch
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -63,6 +80,8 @@ def build_adapters(root: Path, n: int, rank: int) -> list[str]:
     names = [f"a{i}" for i in range(n)]
     for i, name in enumerate(names):
         make_adapter(hf, root / name, ALL, r=rank, alpha=2.0 * rank, seed=100 + i, std=0.02)
+        resave(root / name, root / name, dtype)
+        resave(root / name, root / f"w{i}", "float32")
     return names
 
 
@@ -98,13 +117,13 @@ def run_once(llm: LLM, ps: Sequence[list[int]], loras: Sequence[str | None], out
 
 
 def throughput(lora_dir: Path, names: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
-    llm = LLM(MODEL, lora_dir=str(lora_dir), max_loras=len(names), max_cpu_loras=len(names),
+    llm = LLM(MODEL, lora_dir=str(lora_dir), max_loras=len(names), max_cpu_loras=2 * len(names),
               enable_prefix_caching=False, max_num_seqs=args.streams, seed=0)
     ps = prompts(args.streams, args.prompt_tokens, args.seed, base_model(llm).cfg.vocab_size)
     per_stream = [names[i % len(names)] for i in range(args.streams)]
     plan: dict[str, tuple[list[str | None], bool]] = {
         "base": ([None] * args.streams, False), "lora": (list(per_stream), False),
-        "base-module": ([None] * args.streams, True)}
+        "lora-fp32": ([n.replace("a", "w") for n in per_stream], False), "base-module": ([None] * args.streams, True)}
     # Warm-up: the stack is built on its first decode step and the adapters are read once (both kept after).
     for v in VARIANTS:
         run_once(llm, ps[:4], plan[v][0][:4], 4, plan[v][1])
@@ -174,7 +193,8 @@ def report_throughput(tps: dict[str, list[float]], args: argparse.Namespace) -> 
           "rounds.\n")
     print("| load | output tok/s (best) | all rounds | vs base |")
     print("|---|---:|---|---:|")
-    label = {"base": "base model", "lora": f"{args.adapters} adapters, rank {args.rank}",
+    label = {"base": "base model", "lora": f"{args.adapters} adapters, rank {args.rank}, {args.adapter_dtype}",
+             "lora-fp32": f"the same {args.adapters} adapters re-saved in fp32",
              "base-module": "base model, module path forced (no C++ stack)"}
     for v in VARIANTS:
         runs = ", ".join(f"{x:.1f}" for x in tps[v])
@@ -204,13 +224,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--swaps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adapter-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--parts", default="throughput,swap", help="what to measure: throughput, swap or both")
     args = ap.parse_args()
     cmd = ".venv/bin/python bench/lora_serving.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="kvgate-lora-bench-") as tmp:
         root = Path(tmp)
         t = time.perf_counter()
-        names = build_adapters(root, args.adapters, args.rank)
+        names = build_adapters(root, args.adapters, args.rank, args.adapter_dtype)
         print(f"built {len(names)} adapters in {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
         parts = set(args.parts.split(","))
         tps = throughput(root, names, args) if "throughput" in parts else {}

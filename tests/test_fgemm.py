@@ -92,6 +92,19 @@ def test_degenerate_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(kernel.flinear(torch.empty(3, 0), torch.empty(5, 0), b), b.expand(3, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [8, 13, 576, 1537])
+def test_16bit_weights_give_the_bits_of_their_fp32_widening(kernel, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                             k: int) -> None:
+    x, w, b = _data(6, 29, k, seed=5)
+    w16 = w.to(dtype)
+    # fp16 subnormals, the largest half, -0: every 16-bit value widens exactly
+    w16[0, :4] = torch.tensor([6e-8, -3e-6, 65504.0, -0.0]).to(dtype)[:min(4, k)]
+    got = kernel.flinear(x, w16, b)
+    assert torch.equal(got, kernel.flinear(x, w16.float(), b))
+    torch.testing.assert_close(got.double(), x.double() @ w16.double().t() + b.double(), atol=1e-3, rtol=1e-5)
+
+
 def test_rejects_bad_inputs(kernel) -> None:  # type: ignore[no-untyped-def]
     x, w, b = _data(4, 6, 16, seed=4)
     with pytest.raises(RuntimeError, match="x must be"):
@@ -102,6 +115,8 @@ def test_rejects_bad_inputs(kernel) -> None:  # type: ignore[no-untyped-def]
         kernel.flinear(x, w[:, :8], b)
     with pytest.raises(RuntimeError, match="w must be"):
         kernel.flinear(x, torch.randn(6, 15), b)
+    with pytest.raises(RuntimeError, match="w must be"):
+        kernel.flinear(x, w.to(torch.int8), b)
     with pytest.raises(RuntimeError, match="bias must be"):
         kernel.flinear(x, w, b[:5])
     with pytest.raises(RuntimeError, match="bias must be"):
@@ -118,6 +133,12 @@ outs = []
 for m, n, k in ((1, 40, 13), (5, 19, 96), (9, 30, 1), (37, 41, 1536), (300, 25, 77), (4, 24, 576)):
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     outs += [mod.flinear(x, w, b).flatten(), mod.flinear(x, w, None).flatten()]
+# 16-bit weights (LoRA adapters saved at 16 bits), fp16 subnormals and the largest halves among them
+for dt in (torch.float16, torch.bfloat16):
+    for m, n, k in ((1, 40, 13), (7, 19, 96), (5, 30, 577)):
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(dt)
+        w[0, :5] = torch.tensor([6e-8, -3e-6, 6.1e-5, 65504.0, -0.0]).to(dt)
+        outs.append(mod.flinear(x, w, None).flatten())
 # products that round to -0 in a lane, then the padded tail: the sign of zero must come out the same
 for k in (8, 13):
     x, w = torch.full((2, k), -1e-30), torch.full((3, k), 1e-30)

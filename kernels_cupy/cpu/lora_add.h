@@ -13,8 +13,9 @@
 
 #include <vector>
 
-// x (T, in), y (T, out): fp32, contiguous. Per group: rows (n,) int64, a (n_t * r, in) fp32, scale. Per slice (in
-// group order): its group, columns [lo, hi) of y, columns [rlo, rhi) of the shrink, b (hi - lo, rhi - rlo) fp32.
+// x (T, in), y (T, out): fp32, contiguous. Per group: rows (n,) int64, a (n_t * r, in), scale. Per slice (in group
+// order): its group, columns [lo, hi) of y, columns [rlo, rhi) of the shrink, b (hi - lo, rhi - rlo). a and b are
+// fp32, or fp16/bf16 (an adapter saved at 16 bits keeps its width; fgemm widens each weight exactly).
 [[maybe_unused]] static void lora_add(torch::Tensor x, torch::Tensor y, std::vector<torch::Tensor> rows,
                                       std::vector<torch::Tensor> a, std::vector<double> scale,
                                       std::vector<int64_t> s_group, std::vector<int64_t> s_cols,
@@ -29,8 +30,8 @@
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1);
   for (int64_t g = 0; g < G; ++g) {
     TORCH_CHECK(rows[g].scalar_type() == torch::kInt64 && rows[g].is_contiguous() && a[g].is_contiguous() &&
-                    a[g].scalar_type() == torch::kFloat32 && a[g].dim() == 2 && a[g].size(1) == K,
-                "group ", g, ": rows int64, a (R, in) contiguous fp32");
+                    fgemm_wtype(a[g].scalar_type()).has_value() && a[g].dim() == 2 && a[g].size(1) == K,
+                "group ", g, ": rows int64, a (R, in) contiguous fp32, fp16 or bf16");
     const int64_t* r = rows[g].data_ptr<int64_t>();
     for (int64_t i = 0; i < rows[g].numel(); ++i) TORCH_CHECK(0 <= r[i] && r[i] < T, "row out of range");
   }
@@ -39,9 +40,9 @@
                   rhi = s_cols[4 * s + 3];
     TORCH_CHECK(0 <= g && g < G && 0 <= lo && lo < hi && hi <= N && 0 <= rlo && rlo < rhi && rhi <= a[g].size(0),
                 "slice ", s, ": bad group or columns");
-    TORCH_CHECK(b[s].is_contiguous() && b[s].scalar_type() == torch::kFloat32 && b[s].dim() == 2 &&
+    TORCH_CHECK(b[s].is_contiguous() && fgemm_wtype(b[s].scalar_type()).has_value() && b[s].dim() == 2 &&
                     b[s].size(0) == hi - lo && b[s].size(1) == rhi - rlo,
-                "slice ", s, ": b must be (hi - lo, rhi - rlo) contiguous fp32");
+                "slice ", s, ": b must be (hi - lo, rhi - rlo) contiguous fp32, fp16 or bf16");
   }
   for (int64_t s = 1; s < S; ++s) TORCH_CHECK(s_group[s - 1] <= s_group[s], "slices must come in group order");
   std::vector<int64_t> first(G + 1, 0);  // slices of group g: [first[g], first[g + 1]) (they come in group order)
@@ -57,13 +58,13 @@
       if (n == 0 || first[g] == first[g + 1]) continue;
       xs.resize(n * K), h.resize(n * R);
       for (int64_t i = 0; i < n; ++i) std::copy_n(xp + r[i] * K, K, xs.data() + i * K);  // (n, in): exact copies
-      fgemm::gemm(fgemm::Args{n, R, K, xs.data(), a[g].data_ptr<float>(), nullptr, h.data()}, 0, R);
+      fgemm::gemm(fgemm_args(n, R, K, xs.data(), a[g], nullptr, h.data()), 0, R);
       const float sc = static_cast<float>(scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
       for (int64_t s = first[g]; s < first[g + 1]; ++s) {
         const int64_t lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2], rr = s_cols[4 * s + 3] - rlo;
         hs.resize(n * rr), d.resize(n * (hi - lo));
         for (int64_t i = 0; i < n; ++i) std::copy_n(h.data() + i * R + rlo, rr, hs.data() + i * rr);
-        fgemm::gemm(fgemm::Args{n, hi - lo, rr, hs.data(), b[s].data_ptr<float>(), nullptr, d.data()}, 0, hi - lo);
+        fgemm::gemm(fgemm_args(n, hi - lo, rr, hs.data(), b[s], nullptr, d.data()), 0, hi - lo);
         for (int64_t i = 0; i < n; ++i) {
           float* yr = yp + r[i] * N + lo;
           const float* dr = d.data() + i * (hi - lo);

@@ -3,7 +3,13 @@ model and mapped onto kvgate's fused projections.
 
 PEFT trains one (A, B) pair per Hugging Face module; kvgate fuses q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``, so each pair becomes an output slice of its fused layer: q_proj adds to columns [0, Hq*D) of
-qkv_proj, k_proj to the next Hkv*D, and so on. Everything is read and checked before anything is built: a file
+qkv_proj, k_proj to the next Hkv*D, and so on.
+
+Width: on the CPU an adapter saved in fp16 or bf16 (PEFT saves the training dtype; most fine-tunes are 16-bit) is
+kept at that width: the C++ kernels widen each weight to fp32 exactly as they read it, so the numerics are those
+of the fp32 copy, and a decode step reads half the bytes (every resident adapter's weights, every step: the cost
+of multi-LoRA on a memory-bound CPU, bench/RESULTS.md). Anything else (fp32, mixed dtypes; CUDA, whose kernels
+read fp32) is kept in fp32. Everything is read and checked before anything is built: a file
 that fails any check raises ValueError and leaves nothing behind (the registry only ever holds whole adapters).
 """
 
@@ -57,7 +63,7 @@ class LoraSlice:
     hi: int
     r_lo: int
     r_hi: int
-    b: torch.Tensor  # (hi - lo, r) fp32, contiguous
+    b: torch.Tensor  # (hi - lo, r) fp32 (or the file's fp16/bf16 on the CPU), contiguous
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class LoraProj:
     """An adapter's pairs on one fused projection: the A of every targeted module stacked, so one shrink call
     serves them all (each output column of the kernel is summed on its own, so stacking changes no bit)."""
 
-    a: torch.Tensor  # (n_targets * r, in) fp32, contiguous
+    a: torch.Tensor  # (n_targets * r, in) fp32 (or the file's fp16/bf16 on the CPU), contiguous
     slices: tuple[LoraSlice, ...]
 
     @functools.cached_property
@@ -99,9 +105,18 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{WEIGHTS_FILE}: cannot be read ({e})") from None
 
 
+def stored_dtype(sd: dict[str, torch.Tensor], device: torch.device) -> torch.dtype:
+    """The width an adapter's weights are kept at (module docstring): the file's own 16-bit dtype on the CPU where
+    every tensor has it, else fp32."""
+    dtypes = {w.dtype for w in sd.values()}
+    if device.type == "cpu" and len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
+        return dtypes.pop()
+    return torch.float32
+
+
 def _pairs(sd: dict[str, torch.Tensor], names: list[str], layers: set[int], known: dict[str, Target],
-           r: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, module) -> (A (r, in), B (out, r)) fp32, every key and shape checked."""
+           r: int, dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, module) -> (A (r, in), B (out, r)) in ``dtype``, every key and shape checked."""
     found: dict[tuple[int, str, str], torch.Tensor] = {}
     for key, w in sd.items():
         m = KEY_RE.fullmatch(key)
@@ -123,7 +138,7 @@ def _pairs(sd: dict[str, torch.Tensor], names: list[str], layers: set[int], know
                                      f"the base model needs {want} (rank {r})")
                 if not w.is_floating_point() or not bool(torch.isfinite(w).all()):
                     raise ValueError(f"{WEIGHTS_FILE}: layer {i} {name}.lora_{ab} is not finite floating point")
-            out[(i, name)] = (a.float().contiguous(), b.float().contiguous())
+            out[(i, name)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     return out
 
 
@@ -136,8 +151,9 @@ def load_adapter(directory: Path, name: str, base: LlamaConfig, device: torch.de
     known = targets(base)
     names = target_names(cfg, known)
     layers = layer_indices(cfg, base.num_hidden_layers)
-    pairs = _pairs(read_weights(directory), names, layers, known, r)
     dev = device or torch.device("cpu")
+    sd = read_weights(directory)
+    pairs = _pairs(sd, names, layers, known, r, stored_dtype(sd, dev))
     built: list[dict[str, LoraProj]] = [{} for _ in range(base.num_hidden_layers)]
     for i in sorted(layers):
         by_proj: dict[str, list[str]] = {}

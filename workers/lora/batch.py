@@ -68,9 +68,9 @@ class LoraBatch:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (n, in) @ (out, in)^T -> (n, out)
         if self._kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            out: torch.Tensor = self._kernel.flinear(x.contiguous(), w, None)
+            out: torch.Tensor = self._kernel.flinear(x.contiguous(), w, None)  # widens 16-bit weights itself
             return out
-        return F.linear(x.float(), w)
+        return F.linear(x.float(), w.float())  # a 16-bit adapter's weights widened exactly
 
     def _fused_args(self, layer: int, proj: str) -> tuple[Any, ...] | None:
         """lora_add's per-group and per-slice arguments for one projection (None: no adapter targets it). Each
