@@ -13,7 +13,7 @@ rows takes, so the ratio splits into "module path instead of the stack" and "the
 
 Swap-in: a second engine with ``max_loras = max_cpu_loras = 2``, requests for the 8 adapters in turn (each one
 must be read from disk, evicting the least recently used) and then the same adapter again (resident): the time of
-``add_request`` (where the registry loads, at the step boundary) and to the first token, miss against hit, and the
+``add_request`` (which starts the load beside the engine and returns) and to the first token, miss against hit, and the
 registry's own load time.
 
 Run: ``.venv/bin/python bench/lora_serving.py [--rounds 3] [--swaps 16]``; prints markdown.

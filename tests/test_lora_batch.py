@@ -5,6 +5,7 @@ Prefix-cache isolation between adapters and the base, the resident set (LRU, pin
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,13 @@ def test_resident_adapters_are_bounded_lru_and_pinned_while_used(hf: Any, loras:
     prompt = [5, 6, 7, 8, 9]
     for name in ("attn", "mlp", "all"):
         eng.add_request(name, prompt, PARAMS, lora=name)  # all three in flight: pinned, the bound is exceeded
-    assert sorted(reg.resident) == ["all", "attn", "mlp"]
+    assert sorted(reg.loading) == ["all", "attn", "mlp"] and reg.resident == []  # read beside the engine
+    for _ in range(1000):  # let the three loads end, then one step makes them resident together
+        if not reg.loads_in_flight:
+            break
+        time.sleep(0.01)
+    eng.step()
+    assert sorted(reg.resident) == ["all", "attn", "mlp"] and reg.loading == []
     drain(eng)
     assert len(reg.resident) == 2 and reg.loads == 3  # back under the bound once nobody uses them
     eng.add_request("again", prompt, PARAMS, lora=reg.resident[-1])

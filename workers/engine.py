@@ -36,7 +36,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.last_num_batched_tokens = 0  # tokens the last step() computed (prompt chunks + decodes)
         self.structured: structured.StructuredOutputs | None = None  # use_structured (structured.enable)
-        self._parked: dict[str, Request] = {}  # waiting for their grammar's compile, in arrival order
+        self._parked: dict[str, Request] = {}  # waiting for a grammar's compile or an adapter's load, in arrival order
+        self._grammar_wait: set[str] = set()  # parked ids whose grammar is compiling
+        self._lora_wait: dict[str, str] = {}  # parked id -> the adapter it waits for (loading beside the engine)
         self._parked_finished: list[StepOutput] = []  # parked requests aborted or refused, reported next step
         self.loras = loras  # the worker's resident LoRA adapters (None: no lora_dir)
         self._lora_of: dict[str, str] = {}  # request id -> the adapter it pins, until it finishes
@@ -74,35 +76,42 @@ class LLMEngine:
         req = Request(request_id, ids, params, cache_salt, float(weight),
                       arrival_time if arrival_time is not None else self.scheduler.clock(),
                       self.eos_token_ids, self.max_model_len, priority=int(priority), lora=lora)
-        if lora is not None and not self._acquire_lora(req):
-            return
-        # Never blocks: a grammar not compiled yet parks the request; a malformed spec raises
-        if structured.prepare(self, request_id, params):
+        # Never blocks: a grammar not compiled yet, or an adapter not resident yet, parks the request; a malformed
+        # spec raises (before the adapter is pinned: nothing to undo)
+        compiling = structured.prepare(self, request_id, params)
+        loading = False
+        if lora is not None:
+            ready = self._acquire_lora(req)
+            if ready is None:
+                if self.structured is not None:
+                    self.structured.release(request_id)  # its compile or its matcher: nobody will use them
+                return
+            loading = not ready
+        if compiling or loading:
             self._parked[request_id] = req
+            if compiling:
+                self._grammar_wait.add(request_id)
+            if loading and lora is not None:
+                self._lora_wait[request_id] = lora
             return
         self.scheduler.add_request(req)
 
-    def _acquire_lora(self, req: Request) -> bool:
-        """Load (if not resident) and pin the request's adapter, here at the step boundary, never in a step.
-        False: it cannot be served, and the request finishes at the next step with the reason: an unknown name
-        is ``model_not_found`` (OpenAI's code for a model that does not exist), a broken adapter
-        ``invalid_request``."""
+    def _acquire_lora(self, req: Request) -> bool | None:
+        """Pin the request's adapter (its load, if it is not resident, starts beside the engine: the registry).
+        True: resident; False: loading (the request parks); None: it cannot be served, and the request finishes
+        at the next step with the reason: an unknown name is ``model_not_found`` (OpenAI's code for a model that
+        does not exist). A broken adapter is found by its load and refused at a later step (``_settle_loras``)."""
         name = req.lora or ""
         try:
             if self.loras is None:
                 raise UnknownLora(f"LoRA adapter {name!r} requested, but this engine serves none (no lora_dir)")
-            self.loras.acquire(name)
+            ready = self.loras.acquire(name)
         except UnknownLora as e:
             self._parked_finished.append(_finished_early(req, RequestStatus.FINISHED_IGNORED, str(e),
                                                          self.scheduler.clock(), "model_not_found"))
-            return False
-        except ValueError as e:
-            self._parked_finished.append(_finished_early(req, RequestStatus.FINISHED_IGNORED,
-                                                         f"LoRA adapter {name!r} cannot be loaded: {e}",
-                                                         self.scheduler.clock(), "invalid_request"))
-            return False
-        self._lora_of[req.request_id] = name
-        return True
+            return None
+        self._lora_of[req.request_id] = name  # pinned: released when the request's finished output passes
+        return ready
 
     def _release_finished(self, outputs: list[StepOutput]) -> None:
         """Finished requests give back their runner state and their pin on an adapter."""
@@ -118,6 +127,8 @@ class LLMEngine:
             req = self._parked.pop(rid, None)
             if req is None:
                 continue
+            self._lora_wait.pop(rid, None)  # its pin goes with its finished output, the load runs on
+            self._grammar_wait.discard(rid)
             if self.structured is not None:
                 self.structured.release(rid)  # its claim on the compile: one nobody wants is not started
             self._parked_finished.append(  # reported like a queued request's abort: at the next step
@@ -135,10 +146,13 @@ class LLMEngine:
         self.last_num_batched_tokens = plan.num_batched_tokens
         if plan.empty:
             outputs = early + self.scheduler.take_finished_unreported()
-            if not outputs and self._parked and self.structured is not None:
-                # Only compiles pending: wait a little for one instead of spinning (bounded, so the worker
-                # still sees its inbox: new requests, aborts)
-                self.structured.wait(structured.IDLE_POLL_S)
+            if not outputs and self._parked:
+                # Only compiles or loads pending: wait a little for one instead of spinning (bounded, so the
+                # worker still sees its inbox: new requests, aborts)
+                if self._grammar_wait and self.structured is not None:
+                    self.structured.wait(structured.IDLE_POLL_S)
+                elif self._lora_wait and self.loras is not None:
+                    self.loras.wait(structured.IDLE_POLL_S)
             self._release_finished(outputs)
             return outputs
         result = self.runner.execute(plan)
@@ -147,19 +161,47 @@ class LLMEngine:
         return outputs
 
     def _admit_parked(self) -> list[StepOutput]:
-        """Parked requests whose grammar compiled join the scheduler (keeping their arrival time); those
-        refused (compile failed or too slow) finish with the reason as their error, as a prompt that can never
-        fit does. Returns the outputs of parked requests that finished (refused or aborted)."""
+        """Parked requests whose grammar compiled and whose adapter is resident join the scheduler, in arrival
+        order (keeping their arrival time); those refused (compile failed or too slow, adapter broken) finish
+        with the reason as their error, as a prompt that can never fit does. Returns the outputs of parked
+        requests that finished (refused or aborted)."""
         out, self._parked_finished = self._parked_finished, []
-        if not self._parked or self.structured is None:
+        if not self._parked:
             return out
-        ready, refused = self.structured.collect()
-        for rid in ready:
-            self.scheduler.add_request(self._parked.pop(rid))
         now = self.scheduler.clock()
-        for rid, code, why in refused:
-            out.append(_finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now, code))
+        if self._grammar_wait and self.structured is not None:
+            ready, refused = self.structured.collect()
+            self._grammar_wait.difference_update(ready)
+            for rid, code, why in refused:
+                out.append(self._refuse_parked(rid, why, code, now))
+        if self._lora_wait:
+            out += self._settle_loras(now)
+        for rid in [r for r in self._parked if r not in self._grammar_wait and r not in self._lora_wait]:
+            self.scheduler.add_request(self._parked.pop(rid))
         return out
+
+    def _settle_loras(self, now: float) -> list[StepOutput]:
+        """Loads that ended: their requests may go on (once their grammar is there too), or are refused."""
+        if self.loras is None:
+            raise RuntimeError("requests wait on adapter loads, but this engine has no LoRA registry")
+        settled = {name: self.loras.settle(name) for name in set(self._lora_wait.values())}
+        out: list[StepOutput] = []
+        for rid, name in list(self._lora_wait.items()):
+            result = settled[name]
+            if result is True:
+                del self._lora_wait[rid]
+            elif isinstance(result, str):
+                out.append(self._refuse_parked(rid, f"LoRA adapter {name!r} cannot be loaded: {result}",
+                                               "invalid_request", now))
+        return out
+
+    def _refuse_parked(self, rid: str, why: str, code: str, now: float) -> StepOutput:
+        self._lora_wait.pop(rid, None)
+        if rid in self._grammar_wait:
+            self._grammar_wait.discard(rid)
+            if self.structured is not None:
+                self.structured.release(rid)
+        return _finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now, code)
 
     def warm_up(self) -> None:
         """One tiny greedy request through every path a real one takes (prefill, paged decode, sampling), so
