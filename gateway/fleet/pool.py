@@ -31,7 +31,7 @@ from gateway.base.handle import PendingBudget, RequestHandle
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
-from gateway.fleet.routing import Placement, Router, WorkerLoad, prefix_keys
+from gateway.fleet.routing import Placement, Router, WorkerLoad, adapter_key, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, Generate, Goodbye, Hello, Refused, RequestError, Shutdown, Stats, StepOutputs,
@@ -146,6 +146,8 @@ class WorkerPool:
         # A prefix computed under one adapter is never reused under another (the worker's cache keys include it):
         # so the affinity keys include it too, or a prompt would be drawn to a worker whose cache cannot serve it.
         keys = prefix_keys(cache_salt if lora is None else f"{cache_salt or ''}\x1flora:{lora}", prompt_ids)
+        if lora is not None:  # no known prefix: the worker that ran the adapter last likely holds it resident
+            keys.append(adapter_key(lora))
         tenant = cache_salt or ""  # the workers' fair queues share by salt (one a tenant): so does the router
         who = Placement(tenant, weight, near, tier_named(tier).capacity_share)
         wid = self.router.choose(open_, keys, len(prompt_ids), who)

@@ -14,6 +14,9 @@ waiting on every worker, with room there for its weight to act; the router sees 
   own to one worker, and the heavier one spilled onto the other's: weights 3:1 over two workers gave the light
   tenant 0.13-0.20 of the tokens (``tests/test_gateway_fair_fleet.py``). A request's later sequences (``n``;
   ``near``: the worker of its first) may follow it past the tenant slack: they share its prompt's blocks.
+  A request with a LoRA adapter has one more key after its prefixes (``adapter_key``): with no known prefix, it
+  prefers the worker that ran that adapter last (which likely holds it resident, so it runs without a load), on
+  the same terms.
 - Admission: each worker takes ``max_requests`` in-flight requests and ``max_prompt_tokens`` prompt tokens from
   this gateway; past that the request is refused (503) instead of queued here, unless its tenant holds less of
   that worker than its weighted share of both bounds (its weight over the weights of the tenants holding
@@ -113,6 +116,11 @@ def prefix_keys(cache_salt: str | None, prompt_ids: Sequence[int]) -> list[bytes
             h.update(b"".join(t.to_bytes(4, "little") for t in prompt_ids[:n]))
             keys.append(h.digest())
     return keys
+
+
+def adapter_key(lora: str) -> bytes:
+    """The affinity key of a LoRA adapter (its directory): in the map beside the prefix keys, never equal to one."""
+    return hashlib.blake2b(b"\x01lora\x00" + lora.encode(), digest_size=16).digest()
 
 
 def _fits(w: WorkerLoad, prompt_len: int, max_requests: float, max_prompt_tokens: float) -> bool:
