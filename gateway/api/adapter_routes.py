@@ -9,7 +9,8 @@ vLLM's request shapes, plus the list ``kvgatectl adapters list`` reads:
 (kvgate's, optional) makes the adapter that tenant's alone. The adapter is checked against the base model before
 it is registered (tenancy/lora_check.py), so no worker ever sees one that was refused; a refusal is a 4xx and
 registers nothing. Workers load an adapter when a request first names it (workers/lora/registry.py); unregistering
-stops new requests at once (this gateway) or within a second (others), and the workers' LRU lets it go.
+stops new requests at once (this gateway) or within a second (others), and the workers' LRU lets it go. Tenants
+upload their own adapters at ``/v1/adapters`` (gateway/api/adapter_upload.py, on this blueprint).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
+from gateway.api.adapter_upload import add_upload_routes
 from gateway.api.admin import authorize_admin, op_error
 from gateway.api.context import app_state
 from gateway.api.http_json import json_response, read_json
@@ -85,4 +87,5 @@ def create_adapter_blueprint() -> Blueprint:
     bp.add_url_rule("/v1/load_lora_adapter", "load_lora_adapter", load_lora_adapter, methods=["POST"])
     bp.add_url_rule("/v1/unload_lora_adapter", "unload_lora_adapter", unload_lora_adapter, methods=["POST"])
     bp.add_url_rule("/admin/adapters", "list_adapters", list_adapters, methods=["GET"])
+    add_upload_routes(bp)  # tenants' own uploads, with their API keys: /v1/adapters (gateway/api/adapter_upload.py)
     return bp

@@ -123,6 +123,14 @@ _ERROR_RESPONSE = {"description": "an OpenAI-shaped error",
                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 
+_ADAPTER_UPLOAD: dict[str, Any] = {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["name", "adapter_config.json", "adapter_model.safetensors"],
+    "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"},
+        "adapter_config.json": {"type": "string", "format": "binary"},
+        "adapter_model.safetensors": {"type": "string", "format": "binary"}}}}}}
+
+
 def _with_model(schema: Json, model: Json) -> Json:
     return {**schema, "properties": {**schema["properties"], "model": model}}
 
@@ -171,6 +179,12 @@ def _api_paths(model: Json) -> Json:
         "/v1/unload_lora_adapter": {"post": _op("Unregister a LoRA adapter", ADMIN_AUTH, body=_body(_fields(
             ("lora_name",), lora_name=_STR, lora_int_id={"type": "integer"})))},
         "/admin/adapters": {"get": _op("Registered LoRA adapters", ADMIN_AUTH, params=[_param("tenant", "query")])},
+        "/v1/adapters": {
+            "post": _op("Upload the caller's own LoRA adapter (PEFT files; checked against the base model)",
+                        TENANT_AUTH, body=_ADAPTER_UPLOAD),
+            "get": _op("The caller's own and the global LoRA adapters", TENANT_AUTH)},
+        "/v1/adapters/{name}": {"delete": _op("Delete the caller's own LoRA adapter", TENANT_AUTH,
+                                              params=[_param("name")])},
         "/v1/usage": {"get": _op("The caller's own tenant usage", TENANT_AUTH, params=since_by)},
         "/tokenize": {"post": _op("Token ids of a prompt or chat", TENANT_AUTH, body=_body(_fields(
             model=_STR, prompt=_STR, messages={"type": "array", "items": _MESSAGE}, add_generation_prompt=_BOOL)))},
