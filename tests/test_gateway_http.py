@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 import trio
 
-from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, send_raw, start_server, wait_idle
+from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, send_raw, wait_idle
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,8 +25,9 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=60) as c:
+        yield c  # closed after: an idle keep-alive connection holds a gateway's graceful shutdown for 5 s
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,10 @@ def offline(tiny_model_dir):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared server, pinned to fp32 linears: greedy output is compared with the fp32 offline engine. Steps are
-    held 2 ms each (the worker's KVGATE_DEBUG_STEP_DELAY drill hook) so the disconnect tests' 3,000-token requests
-    outlive the 0.5 s stats interval on any machine, however fast its decode steps."""
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log", "--quantization", "none",
-                       env={"KVGATE_DEBUG_STEP_DELAY": "0.002"})
-    yield srv
-    srv.stop()
+def server(fp32_server: Server) -> Server:
+    """The session's fp32 server (tests/test_gateway_support.py): greedy output is compared with the fp32 offline
+    engine, and its 2 ms steps make the disconnect tests' 3,000-token requests outlive the 0.5 s stats interval."""
+    return fp32_server
 
 
 def _post(server: Server, path: str, body: Any, **kw: Any) -> httpx.Response:

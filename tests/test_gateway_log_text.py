@@ -6,15 +6,13 @@ canary string in no log line at all, and neither does a request refused before a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.tenancy_support import kvgatectl, make_tenant
-from tests.test_gateway_support import MODEL, Server, start_server
+from tests.test_gateway_support import MODEL, Server
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,10 +24,10 @@ OFF_CANARY = "lynx-canary-93ea"  # tenant "quiet" (off): never logged, whatever 
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("log-text") / "gateway.log")
-    yield s
-    s.stop()
+def srv(server: Server) -> Server:
+    """The session's default server: the tenants here are this module's own, and every assertion about the log
+    looks for this module's request ids and canary strings, which no other test sends."""
+    return server
 
 
 def _finished_lines(srv: Server) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,7 +33,7 @@ from ipc.sampling import SamplingParams
 from tenancy.limiter import Limiter, Scope
 from tenancy.models import Quota
 from tests.tenancy_support import make_tenant, store_of
-from tests.test_gateway_support import MODEL, Server, metric_sum, metrics, send_raw, start_server, wait_idle
+from tests.test_gateway_support import MODEL, Server, metric_sum, metrics, send_raw, wait_idle
 from tests.test_gateway_units import _FakeTok
 from tests.waiting import wait_until
 
@@ -182,18 +181,16 @@ async def test_admission_reserves_every_sequence() -> None:
 # ---- over HTTP -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """fp32 linears (choice i is compared with a request of its own, in another batch); steps held 2 ms so the
-    disconnect test's long sequences outlive the 0.5 s stats interval on any machine."""
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("n-choices") / "gateway.log", "--quantization",
-                       "none", env={"KVGATE_DEBUG_STEP_DELAY": "0.002"})
-    yield srv
-    srv.stop()
+def server(fp32_server: Server) -> Server:
+    """The session's fp32 server (choice i is compared with a request of its own, in another batch); its 2 ms steps
+    make the disconnect test's long sequences outlive the 0.5 s stats interval on any machine."""
+    return fp32_server
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=60) as c:
+        yield c  # closed after: an idle keep-alive connection holds a gateway's graceful shutdown for 5 s
 
 
 def _post(server: Server, path: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
@@ -354,6 +351,7 @@ def _wait_running(server: Server, n: int) -> None:
 def test_client_disconnect_frees_every_sequence(server: Server, stream: bool) -> None:
     body = {"model": MODEL, "prompt": list(range(1, 801)), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "n": 3, "stream": stream}
+    wait_idle(server, within=30.0)  # the server is shared: what earlier modules left running ends first
     if stream:
         with httpx.Client(timeout=30) as c, c.stream("POST", f"{server.url}{COMP}", json=body,
                                                       headers=server.headers) as r:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
+from tests.test_gateway_support import MODEL, Server, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,14 +52,11 @@ def test_an_interactive_request_overtakes_a_running_bulk_one(one_slot: Server) -
                for line in metrics.splitlines()), "the bulk request was preempted"
 
 
-def test_fcfs_refuses_a_priority_and_bad_values_are_400(tiny_model_dir: Path, tmp_path: Path) -> None:
-    srv = start_server(tiny_model_dir, tmp_path / "gateway.log", "--scheduling-policy", "fcfs")
-    try:
-        assert _post(srv, {"max_tokens": 2}).status_code == 200
-        r = _post(srv, {"max_tokens": 2, "priority": 5})
-        assert r.status_code == 400 and "priority scheduling policy" in r.json()["error"]["message"]
-        for bad in ("high", 2**40, 1.5):
-            r = _post(srv, {"max_tokens": 2, "priority": bad})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
-    finally:
-        srv.stop()
+def test_fcfs_refuses_a_priority_and_bad_values_are_400(fcfs_server: Server) -> None:
+    srv = fcfs_server
+    assert _post(srv, {"max_tokens": 2}).status_code == 200
+    r = _post(srv, {"max_tokens": 2, "priority": 5})
+    assert r.status_code == 400 and "priority scheduling policy" in r.json()["error"]["message"]
+    for bad in ("high", 2**40, 1.5):
+        r = _post(srv, {"max_tokens": 2, "priority": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

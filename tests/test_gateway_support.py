@@ -1,7 +1,8 @@
 """Shared fixtures for the gateway tests: a tiny model directory and real ``kvgate serve`` subprocesses.
 
-Imported by the other ``test_gateway_*`` modules (pytest shares a session fixture across modules when they
-import the same function). Everything binds 127.0.0.1 on a free port.
+The fixtures are registered for every module by tests/conftest.py; modules import the helpers, never a fixture
+(pytest makes an imported session fixture an instance of its own in the importing module: another model directory,
+another server). Everything binds 127.0.0.1 on a free port.
 """
 
 from __future__ import annotations
@@ -153,6 +154,56 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     pids = srv.worker_pids()
     srv.stop()
     assert not [p for p in pids if alive(p)], "a clean shutdown must stop every worker"
+
+
+def _shared_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *extra: str,
+                   served_name: str = MODEL, env: dict[str, str] | None = None, workers: int = 1) -> Iterator[Server]:
+    srv = start_server(model_dir, tmp_path_factory.mktemp(name) / "gateway.log", *extra, served_name=served_name,
+                       env=env, workers=workers)
+    try:
+        if workers > 1:  # ready means one worker joined: wait for the rest too
+            from tests.waiting import wait_until
+
+            wait_until(lambda: httpx.get(f"{srv.url}/admin/workers", headers=srv.admin_headers, timeout=10).json(),
+                       lambda body: len(body["data"]) >= workers, within=120, what=f"{workers} workers joined",
+                       interval=0.2)
+        yield srv
+    finally:
+        srv.stop()
+
+
+# The servers below are shared by every module that needs one of exactly that configuration (a process tree per
+# configuration per run, not per module). A test that kills, suspends or re-limits what it shares starts its own;
+# one that makes tenants on a shared server names them uniquely.
+
+@pytest.fixture(scope="session")
+def fp32_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """fp32 linears (greedy output is compared with the fp32 offline engine, or choice by choice); steps held 2 ms
+    each (the worker's KVGATE_DEBUG_STEP_DELAY drill hook) so the disconnect tests' long requests outlive the 0.5 s
+    stats interval on any machine, however fast its decode steps."""
+    yield from _shared_server(tiny_model_dir, tmp_path_factory, "fp32", "--quantization", "none",
+                              env={"KVGATE_DEBUG_STEP_DELAY": "0.002"})
+
+
+@pytest.fixture(scope="session")
+def fcfs_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``--scheduling-policy fcfs``: workers that refuse any priority but 0."""
+    yield from _shared_server(tiny_model_dir, tmp_path_factory, "fcfs", "--scheduling-policy", "fcfs")
+
+
+@pytest.fixture(scope="session")
+def two_worker_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``--workers 2``, both joined: for tests that only send requests (a test that kills, drains or restarts a
+    worker starts a deployment of its own)."""
+    yield from _shared_server(tiny_model_dir, tmp_path_factory, "two-workers", workers=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default deployment for real: ``kvgate serve --model smollm2`` (loading it takes a while on 2 cores)."""
+    from gateway.pipeline.tokenizer import resolve_model_dir
+
+    yield from _shared_server(resolve_model_dir("smollm2"), tmp_path_factory, "smollm2", served_name="smollm2")
 
 
 def alive(pid: int) -> bool:

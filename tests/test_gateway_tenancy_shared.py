@@ -58,11 +58,15 @@ def test_ledger_has_exactly_the_completed_requests_after_sigkill(tiny_model_dir:
         assert row.cached_tokens == usage["prompt_tokens_details"]["cached_tokens"] and row.status == "length"
 
 
-@pytest.fixture
-def two_gateways(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[tuple[Server, Server]]:
-    a = start_server(tiny_model_dir, tmp_path / "a.log", "--redis-url", redis_url)
+@pytest.fixture(scope="module")
+def _pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+          redis_server: RedisServer) -> Iterator[tuple[Server, Server]]:
+    """Shared by the tests below: each makes tenants of its own names, so their buckets, budgets and ledger rows
+    are their own."""
+    logs = tmp_path_factory.mktemp("two-gateways")
+    a = start_server(tiny_model_dir, logs / "a.log", "--redis-url", redis_server.url)
     try:
-        b = start_server(tiny_model_dir, tmp_path / "b.log", "--redis-url", redis_url, "--no-demo-tenant",
+        b = start_server(tiny_model_dir, logs / "b.log", "--redis-url", redis_server.url, "--no-demo-tenant",
                          db_path=a.db_path, secret=a.secret)
         try:
             yield a, b
@@ -70,6 +74,15 @@ def two_gateways(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterat
             b.stop()
     finally:
         a.stop()
+
+
+@pytest.fixture
+def two_gateways(_pair: tuple[Server, Server], redis_server: RedisServer) -> tuple[Server, Server]:
+    """The pair, on a running Redis: a test here stops Redis and starts it again (empty: it keeps nothing on
+    disk), and one that failed half-way must not leave the next without it."""
+    redis_server.resume()
+    redis_server.start()  # a no-op while it runs
+    return _pair
 
 
 def test_two_gateways_sharing_redis_enforce_one_limit(two_gateways: tuple[Server, Server],

@@ -24,7 +24,15 @@ COMP = "/v1/completions"
 
 
 @pytest.fixture
-def srv(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+def srv(two_worker_server: Server) -> Server:
+    """The session's two-worker gateway (tests/test_gateway_support.py), for tests that only send requests: each
+    sends prompts of its own (no prefix of one is cached for another) and reads counters as differences."""
+    return two_worker_server
+
+
+@pytest.fixture
+def own_srv(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    """A deployment of its own, for a test that kills, drains or restarts its workers."""
     server = start_server(tiny_model_dir, tmp_path / "gateway.log", workers=2)
     try:
         _wait_workers(server, 2)
@@ -53,17 +61,22 @@ def _body(prompt: list[int], max_tokens: int = 4, **kw: object) -> dict[str, obj
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
 
 
+def _generated(server: Server) -> dict[str, int]:
+    return {w["worker"]: w["stats"].get("generation_tokens_total", 0) for w in _workers(server)}
+
+
 def test_load_spreads_over_both_workers(srv: Server) -> None:
+    before = _generated(srv)  # what other tests made on the shared deployment
     calls = [(f"{srv.url}{COMP}", srv.api_key, _body(ids_prompt(12, 500 + i), 200)) for i in range(8)]
     outs = run_concurrently(calls)
     assert [o.status for o in outs] == [200] * 8
     deadline = time.monotonic() + 30  # generation counters arrive with the next heartbeat
     while True:
-        generated = [w["stats"].get("generation_tokens_total", 0) for w in _workers(srv)]
+        generated = [n - before.get(w, 0) for w, n in _generated(srv).items()]
         if sum(generated) >= 8 * 200 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert sum(generated) >= 8 * 200 and min(generated) > 0, generated  # both workers took a share
+    assert len(generated) == 2 and sum(generated) >= 8 * 200 and min(generated) > 0, generated  # both took a share
 
 
 def test_shared_prefix_lands_on_the_worker_that_caches_it(srv: Server) -> None:
@@ -77,7 +90,8 @@ def test_shared_prefix_lands_on_the_worker_that_caches_it(srv: Server) -> None:
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
 
 
-def test_a_killed_workers_share_moves_to_the_other(srv: Server) -> None:
+def test_a_killed_workers_share_moves_to_the_other(own_srv: Server) -> None:
+    srv = own_srv
     victim = _workers(srv)[0]
     held: list[int] = []
 

@@ -9,8 +9,6 @@ rows do not depend on the batch). Over HTTP (tiny model): the shapes, echo's tex
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +19,7 @@ from gateway.base.errors import APIError
 from gateway.pipeline.protocol import parse_chat, parse_completion
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from tests.test_determinism import _tiny, drain, engine
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
+from tests.test_gateway_support import MODEL, Server
 from tests.tiny import VOCAB
 from workers.core.sampling_params import SamplingParams
 
@@ -68,13 +66,6 @@ def test_fields_and_refusals(tok: GatewayTokenizer) -> None:
     with pytest.raises(APIError) as e:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, tok, 4096)
     assert e.value.param == "echo"  # chat has no echo in OpenAI's API
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("prompt-lps") / "gateway.log")
-    yield srv
-    srv.stop()
 
 
 def _post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:

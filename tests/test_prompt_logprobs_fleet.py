@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_gateway_support import MODEL, Server, metric_sum, start_server, tiny_model_dir  # noqa: F401
+from tests.test_gateway_support import MODEL, Server, metric_sum, start_server
 from tests.tiny import VOCAB
 
 pytestmark = pytest.mark.timeout(300)

@@ -39,8 +39,9 @@ def _client(server: Server, key: str | None = None) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return _client(server)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with _client(server) as c:
+        yield c  # closed after: an idle keep-alive connection holds a gateway's graceful shutdown for 5 s
 
 
 def _count(server: Server, messages: list[dict[str, str]]) -> int:

@@ -8,8 +8,6 @@ default mode, which speaks the Responses API, running a tool loop on smollm2."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,7 +20,7 @@ from gateway.pipeline.protocol import parse_chat
 from gateway.pipeline.tokenizer import GatewayTokenizer, resolve_model_dir
 from gateway.responses.objects import ResponseDraft
 from gateway.responses.request import chat_body, parse_as_chat, parse_responses
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
+from tests.test_gateway_support import MODEL, Server
 from tests.test_responses_units import EVENTS, _choices
 from tests.test_tool_calling_smollm2 import run_async, weather_agent
 
@@ -100,13 +98,6 @@ async def test_calls_are_function_call_items_streamed_and_final(tok: GatewayToke
     assert "response.output_item.added" in events[2] and "response.output_text.delta" in events[-1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("responses-tools") / "gateway.log")
-    yield srv
-    srv.stop()
-
-
 def test_tool_turns_over_http(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
     first = client.responses.create(model=MODEL, input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[list-item]
@@ -129,14 +120,10 @@ def test_tool_turns_over_http(server: Server) -> None:
     assert [i.type for i in items] == ["function_call_output"]
 
 
-def test_openai_agents_default_responses_model_runs_a_tool_loop(tmp_path: Path) -> None:
+def test_openai_agents_default_responses_model_runs_a_tool_loop(smollm2_server: Server) -> None:
     from agents import OpenAIResponsesModel, Runner
 
-    srv = start_server(resolve_model_dir("smollm2"), tmp_path / "gateway.log", served_name="smollm2")
-    try:
-        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=srv.api_key)
-        agent, calls = weather_agent(OpenAIResponsesModel(model="smollm2", openai_client=client))
-        result: Any = run_async(lambda: Runner.run(agent, "What is the weather in Paris?", max_turns=4))
-        assert calls == ["Paris"] and "sunny" in result.final_output.lower()
-    finally:
-        srv.stop()
+    client = openai.AsyncOpenAI(base_url=smollm2_server.url + "/v1", api_key=smollm2_server.api_key)
+    agent, calls = weather_agent(OpenAIResponsesModel(model="smollm2", openai_client=client))
+    result: Any = run_async(lambda: Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert calls == ["Paris"] and "sunny" in result.final_output.lower()

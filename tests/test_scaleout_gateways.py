@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from tenancy.models import Quota
+from tests.postgres_support import PostgresCluster
+from tests.redis_support import RedisServer
 from tests.tenancy_support import Outcome, ids_prompt, make_tenant, run_concurrently, store_of
 from tests.test_gateway_support import MODEL, Server, start_server
 from tests.waiting import wait_until
@@ -28,13 +30,17 @@ def _body(seed: int, max_tokens: int = 2, **kw: object) -> dict[str, object]:
             "ignore_eos": True, **kw}
 
 
-@pytest.fixture
-def gateways(tiny_model_dir: Path, tmp_path: Path, redis_url: str, postgres_url: str) -> Iterator[tuple[Server, Server]]:
+@pytest.fixture(scope="module")
+def gateways(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer,
+             postgres_cluster: PostgresCluster) -> Iterator[tuple[Server, Server]]:
+    """Shared by the module's tests: each makes a tenant of its own name, so its limits, buckets and ledger rows
+    are its own, and none stops or reconfigures a gateway or the Redis they share."""
+    logs, postgres_url = tmp_path_factory.mktemp("scaleout"), postgres_cluster.create_database()
     # start_server passes db_path through as the --db argument: here the shared database's URL (kept a str).
-    a = start_server(tiny_model_dir, tmp_path / "a.log", "--redis-url", redis_url,
+    a = start_server(tiny_model_dir, logs / "a.log", "--redis-url", redis_server.url,
                      db_path=postgres_url)  # type: ignore[arg-type]
     try:
-        b = start_server(tiny_model_dir, tmp_path / "b.log", "--redis-url", redis_url, "--no-demo-tenant",
+        b = start_server(tiny_model_dir, logs / "b.log", "--redis-url", redis_server.url, "--no-demo-tenant",
                          db_path=postgres_url, secret=a.secret)  # type: ignore[arg-type]
         try:
             yield a, b

@@ -5,8 +5,6 @@ sampled outputs at temperature 1.0 parse and validate against the schema."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +13,7 @@ import pytest
 
 from gateway.base.errors import APIError
 from gateway.pipeline.response_format import structured_spec
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
+from tests.test_gateway_support import MODEL, Server
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -60,13 +58,6 @@ def test_bad_specs_are_400_naming_the_param(fields: dict[str, Any], param: str) 
     with pytest.raises(APIError) as e:
         structured_spec(fields)
     assert e.value.status == 400 and e.value.param == param
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("structured") / "gateway.log")
-    yield srv
-    srv.stop()
 
 
 def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_gateway_support import MODEL, Server, start_server, tiny_model_dir  # noqa: F401  (fixture)
+from tests.test_gateway_support import MODEL, Server, start_server
 from tests.test_tool_calling import HERMES_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,13 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("tools") / "gateway.log")
-    yield srv
-    srv.stop()
 
 
 def _post(server: Server, body: dict[str, Any]) -> httpx.Response:

@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import os
 import re
-from collections.abc import Iterator
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -18,8 +17,7 @@ import openai
 import pydantic
 import pytest
 
-from gateway.pipeline.tokenizer import resolve_model_dir
-from tests.test_gateway_support import REPO, Server, start_server
+from tests.test_gateway_support import REPO, Server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,11 +26,9 @@ T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(resolve_model_dir("smollm2"), tmp_path_factory.mktemp("tools-smollm2") / "gateway.log",
-                       served_name="smollm2")
-    yield srv
-    srv.stop()
+def server(smollm2_server: Server) -> Server:
+    """The session's smollm2 server (tests/test_gateway_support.py): loading the model is the slow part."""
+    return smollm2_server
 
 
 def run_async(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -18,8 +18,9 @@ import trio
 
 from tests.tenancy_support import ids_prompt
 from tests.test_gateway_support import ADMIN_TOKEN, MODEL, REPO, Server
-# srv: a gateway with two workers on the tiny model, both ready (a fixture, shared with the two-worker tests)
-from tests.test_gateway_two_workers import _wait_workers, _workers, srv  # noqa: F401
+# srv: the session's gateway with two workers on the tiny model, both ready (shared with the two-worker tests);
+# own_srv: one of the same of its own, for the test that restarts its workers
+from tests.test_gateway_two_workers import _wait_workers, _workers, own_srv, srv  # noqa: F401
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -96,7 +97,8 @@ def test_admin_api_lists_states_and_refuses_bad_drains(srv: Server) -> None:
     assert {r["state"] for r in _workers(srv)} == {"ready"}  # nothing was drained by the refused calls
 
 
-def test_rolling_restart_under_16_streams_fails_none(srv: Server) -> None:
+def test_rolling_restart_under_16_streams_fails_none(own_srv: Server) -> None:
+    srv = own_srv
     before = {r["worker"]: r["hello"]["pid"] for r in _workers(srv)}
     streams, roll = trio.run(_roll_under_load, srv)
     assert roll.returncode == 0, roll.stderr.decode(errors="replace")

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.test_gateway_support import (MAX_MODEL_LEN, MODEL, REPO, Server, alive, deployment_env, finish_start,
-                                        free_port, metric_sum, start_server, tiny_model_dir, wait_idle)  # noqa: F401
+                                        free_port, metric_sum, start_server, wait_idle)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -56,8 +56,7 @@ class FakeGateway:
         self.ctx.term()
 
 
-@pytest.fixture()
-def worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
+def _worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
     gw = FakeGateway()
     proc = subprocess.Popen([sys.executable, "-m", "workers.process.worker", "--connect", gw.addr, "--worker-id", "w0",
                              "--model", str(tiny_dir), "--kv-cache-tokens", "2048", "--block-size", "4",
@@ -70,6 +69,19 @@ def worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes
         proc.kill()
         proc.wait()
         gw.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
+    """Shared by the tests that only send requests: each uses request ids of its own and waits for every one of
+    them to end, so none is left running into the next test or mistaken for another's."""
+    yield from _worker(tiny_dir)
+
+
+@pytest.fixture
+def own_worker(tiny_dir: Path) -> Iterator[tuple[FakeGateway, subprocess.Popen[bytes]]]:
+    """A worker of its own, for a test that shuts it down."""
+    yield from _worker(tiny_dir)
 
 
 def collect(gw: FakeGateway, rid: str) -> tuple[list[int], str | None]:
@@ -146,7 +158,7 @@ def test_a_gateways_own_worker_exits_when_its_gateway_goes_away(tiny_dir: Path) 
         proc.kill()
 
 
-def test_shutdown_message(worker) -> None:  # type: ignore[no-untyped-def]
-    gw, proc = worker
+def test_shutdown_message(own_worker) -> None:  # type: ignore[no-untyped-def]
+    gw, proc = own_worker
     gw.send(Shutdown())
     assert proc.wait(timeout=10) == 0
