@@ -164,7 +164,8 @@ def _lease_holder(cfg: GatewayConfig) -> str:
 def _batch_runner(state: GatewayState) -> BatchRunner:
     cfg, ten = state.config, state.tenancy
     pipe = Pipeline(state.tokenizer, state.pool, ten.quota, state.metrics, state.tracing, cfg.model_name,
-                    cfg.timing.request_timeout, batch_priority(cfg.engine.values.get("scheduling_policy")))
+                    cfg.timing.request_timeout, batch_priority(cfg.engine.values.get("scheduling_policy")),
+                    ten.adapters)
     return BatchRunner(ten.batches, LineRunner(pipe, lambda: state.draining), ten.auth.principal_of,
                        model=cfg.model_name, max_file_lines=cfg.batch.max_file_lines,
                        in_flight=cfg.batch.lines_in_flight, draining=lambda: state.draining)

@@ -41,8 +41,9 @@ def _client(server: Server, key: str | None = None) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return _client(server)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with _client(server) as c:
+        yield c  # closed after: an idle keep-alive connection holds a gateway's graceful shutdown for 5 s
 
 
 def _line(i: int, url: str = CHAT, prefix: str = "req", max_tokens: int = 3, **extra: Any) -> dict[str, Any]:
@@ -138,7 +139,7 @@ GOOD = [_line(i) for i in range(4)]
 
 @pytest.mark.parametrize("data,line,code", [
     (_jsonl(GOOD[:1]) + b'{"custom_id": "x",\n' + _jsonl(GOOD[1:]), 2, "invalid_file_format"),
-    (_bad(GOOD, 2, body={**GOOD[2]["body"], "model": "gpt-4o"}), 3, "model_not_found"),
+    (_bad(GOOD, 2, body={**GOOD[2]["body"], "model": "gpt-4o"}), 3, "mismatched_model"),  # line 3 names another model
     (_bad(GOOD, 1, url="/v1/embeddings"), 2, "invalid_url"),
     (_bad(GOOD, 3, url=COMPLETIONS), 4, "mismatched_url"),
     (_bad(GOOD, 3, custom_id="req-1"), 4, "duplicate_custom_id"),
@@ -207,21 +208,17 @@ def test_cancel(client: openai.OpenAI) -> None:
             endpoint=CHAT, completion_window="24h").id).id)
 
 
-def test_workers_under_fcfs_get_no_priority(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_workers_under_fcfs_get_no_priority(fcfs_server: Server) -> None:
     """fcfs workers refuse any priority but 0: a gateway that starts them so sends its batch lines without one."""
-    srv = start_server(tiny_model_dir, tmp_path / "fcfs.log", "--scheduling-policy", "fcfs")
-    try:
-        client = _client(srv)
-        with pytest.raises(openai.BadRequestError):  # what a batch line at priority 100 would get
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
-                                           extra_body={"priority": 100})
-        uploaded = client.files.create(file=("f.jsonl", _jsonl(GOOD[:2])), purpose="batch")
-        done = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
-                                                   completion_window="24h").id)
-        assert done.request_counts is not None and done.request_counts.model_dump() == {"total": 2, "completed": 2,
-                                                                                        "failed": 0}
-    finally:
-        srv.stop()
+    client = _client(fcfs_server)
+    with pytest.raises(openai.BadRequestError):  # what a batch line at priority 100 would get
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       extra_body={"priority": 100})
+    uploaded = client.files.create(file=("f.jsonl", _jsonl(GOOD[:2])), purpose="batch")
+    done = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                               completion_window="24h").id)
+    assert done.request_counts is not None and done.request_counts.model_dump() == {"total": 2, "completed": 2,
+                                                                                    "failed": 0}
 
 
 @pytest.mark.timeout(420)

@@ -56,7 +56,7 @@ def _usage(rid: str, tenant: str, tokens: int = 5) -> UsageRow:
 @pytest.mark.parametrize("data,line,code", [
     (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n{oops\n', 2,
      "invalid_file_format"),
-    (_jsonl(2) + b"\n" + _jsonl(1).replace(b'"tiny"', b'"other"'), 4, "model_not_found"),
+    (_jsonl(2) + b"\n" + _jsonl(1).replace(b'"tiny"', b'"other"'), 4, "mismatched_model"),
     (_jsonl(1) + _jsonl(1, "/v1/completions").replace(b'"c0"', b'"c9"'), 2, "mismatched_url"),
     (_jsonl(1, "/v1/embeddings"), 1, "invalid_url"),
     (_jsonl(2) + _jsonl(1), 3, "duplicate_custom_id"),

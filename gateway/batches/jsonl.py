@@ -5,6 +5,10 @@ numbers count every line of the file, blank ones included, as an editor shows th
 here: a body's own fields are checked when its line runs (``parse_chat``/``parse_completion``), and a body they
 refuse becomes that line's entry in the batch's error file, again as OpenAI does. Messages name lines, fields and
 sizes, never a line's content.
+
+A file names one model, as OpenAI's does: every line's ``body.model`` is the same name, the served model or
+(vLLM's convention) a LoRA adapter's. Whether an adapter name is one the batch's tenant may use is the runner's
+check when the batch starts (the registry is asked outside this thread; an adapter may come and go after upload).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.base.errors import APIError
+from tenancy.adapters_store import NAME_RE
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID_CHARS = 512  # a key, not a payload: it is repeated in the output file and held per line
@@ -45,10 +50,12 @@ class InputLine:
 class BatchFile:
     endpoint: str  # every line's url: a batch runs one endpoint
     lines: list[InputLine]
+    model: str  # every line's body.model: a batch runs one model (the served one or an adapter)
 
 
-def parse_batch_file(data: bytes, model: str, max_lines: int) -> BatchFile:
-    """The file's requests, or a ``BatchFileError`` for its first bad line. Runs in a thread (a large file takes
+def parse_batch_file(data: bytes, served: str, max_lines: int) -> BatchFile:
+    """The file's requests, or a ``BatchFileError`` for its first bad line. ``served``: the served model's name
+    (any other name must at least be one an adapter could be registered as). Runs in a thread (a large file takes
     seconds)."""
     try:
         text = data.decode("utf-8")
@@ -57,18 +64,22 @@ def parse_batch_file(data: bytes, model: str, max_lines: int) -> BatchFile:
     lines: list[InputLine] = []
     first_of: dict[str, int] = {}  # custom_id -> the line that used it first
     endpoint: str | None = None
+    model = ""
     for number, raw in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 inside a JSON string is no break
         if not raw.strip():
             continue
         if len(lines) == max_lines:
             raise BatchFileError(f"a batch file holds at most {max_lines} requests", number, "too_many_requests")
-        entry = _envelope(raw, number, model)
-        url = entry["url"]
+        entry = _envelope(raw, number, served)
+        url, named = entry["url"], entry["body"]["model"]
         if endpoint is None:
-            endpoint = url
+            endpoint, model = url, named
         elif url != endpoint:
             raise BatchFileError(f"'url' is {url} but line {lines[0].line} is {endpoint}: one batch file holds "
                                  "requests to one endpoint", number, "mismatched_url")
+        elif named != model:
+            raise BatchFileError(f"'body.model' differs from line {lines[0].line}'s: one batch file holds requests "
+                                 "to one model", number, "mismatched_model")
         custom_id = entry["custom_id"]
         if custom_id in first_of:
             raise BatchFileError(f"'custom_id' repeats the custom_id of line {first_of[custom_id]}; each must be "
@@ -77,10 +88,10 @@ def parse_batch_file(data: bytes, model: str, max_lines: int) -> BatchFile:
         lines.append(InputLine(number, custom_id, entry["body"]))
     if endpoint is None:
         raise BatchFileError("the file holds no requests", None, "empty_file")
-    return BatchFile(endpoint, lines)
+    return BatchFile(endpoint, lines, model)
 
 
-def _envelope(raw: str, number: int, model: str) -> dict[str, Any]:
+def _envelope(raw: str, number: int, served: str) -> dict[str, Any]:
     try:
         entry = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
@@ -104,8 +115,12 @@ def _envelope(raw: str, number: int, model: str) -> dict[str, Any]:
     body = entry.get("body")
     if not isinstance(body, dict):
         raise BatchFileError("'body' must be a JSON object", number)
-    if body.get("model") != model:
-        raise BatchFileError(f"'body.model' must be the served model, {model!r}", number, "model_not_found")
+    model = body.get("model")
+    # A name no adapter can be registered as can never run: refused now, as the route would refuse it. Any other
+    # name may be an adapter; the runner resolves it for the batch's tenant.
+    if not isinstance(model, str) or (model != served and NAME_RE.fullmatch(model) is None):
+        raise BatchFileError(f"'body.model' must be the served model, {served!r}, or a LoRA adapter's name", number,
+                             "model_not_found")
     return entry
 
 

@@ -10,6 +10,11 @@ limiter or store). A line is *attempted* when it is submitted to a worker; the a
 submit (and taken back when the pool refuses it, since nothing ran), so a line that keeps killing its worker or
 its gateway ends as a failure after ``MAX_ATTEMPTS`` instead of running forever. Every other answer (a body its
 route refuses, an exhausted budget, a timeout) is the line's result, as its route would have answered it.
+
+A line's ``body.model`` is resolved as ``check_model`` resolves a request's: the served model, or a LoRA adapter
+its tenant may use, looked up again each time the line runs (an adapter unregistered mid-batch fails the lines
+that run after, with the route's 404). The adapter goes to the workers, the ledger row and the response's
+``model``, as on the routes.
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
-from gateway.base.errors import APIError
+from gateway.base.errors import APIError, bad_request
 from gateway.base.handle import RequestFailed
 from gateway.base.principal import Principal
 from gateway.batches.objects import failure_line, success_line, unrun_line
 from gateway.fleet.pool import WorkerPool, unix_deadline
+from gateway.pipeline.adapters import AdapterCatalog
 from gateway.pipeline.admission import QuotaGate, RequestAccount
 from gateway.pipeline.choices import Choices, submit_all
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
@@ -37,7 +43,7 @@ from gateway.pipeline.tiering import line_submission
 from gateway.pipeline.tokenizer import GatewayTokenizer
 from gateway.telemetry.gateway_metrics import GatewayMetrics
 from gateway.telemetry.tracing import RequestTrace, Tracing
-from tenancy.models import UsageRow
+from tenancy.models import LoraAdapterRecord, UsageRow
 
 # vLLM's per-request priority (lower runs sooner; interactive requests default to 0): batch lines yield to
 # interactive traffic in the workers' queues. A line's own "priority" can only lower its precedence further. None:
@@ -86,6 +92,8 @@ class Pipeline:
     model: str
     request_timeout: float | None
     priority: int | None  # batch_priority(...): what the lines are sent with
+    # The adapters a line's model may name (the routes' catalog); the default, adapters off, serves the base only.
+    adapters: AdapterCatalog = field(default_factory=lambda: AdapterCatalog(None))
 
 
 class _Capture:
@@ -120,6 +128,16 @@ def batch_priority(scheduling_policy: str | None) -> int | None:
     return None if scheduling_policy == "fcfs" else BATCH_PRIORITY
 
 
+def model_not_found(model: str) -> APIError:
+    """The routes' answer (``gateway.api.context``) for a name that is not a model this tenant may use."""
+    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+def model_not_allowed(model: str) -> APIError:
+    return APIError(403, f"Your API key is not allowed to use the model `{model}`.", code="model_not_allowed",
+                    param="model")
+
+
 def is_transient(err: APIError) -> bool:
     return err.status == 503 or (err.status == 429 and err.code != "insufficient_quota")
 
@@ -144,6 +162,16 @@ class LineRunner:
         self._pipe = pipe
         self._stopping = stopping
 
+    async def adapter_for(self, model: str, tenant_id: str) -> LoraAdapterRecord | None:
+        """The adapter ``model`` names for this tenant (None: the served model); ``model_not_found`` for any other
+        name, another tenant's adapter included (no oracle for what others hold); a 503 when the registry is."""
+        if model == self._pipe.model:
+            return None
+        adapter = await self._pipe.adapters.resolve(model, tenant_id)
+        if adapter is None:
+            raise model_not_found(model)
+        return adapter
+
     async def run(self, principal: Principal, endpoint: str, line: Line, marks: Marks) -> Outcome | None:
         """The line's outcome, or None: it has a result already, or it could not run before the runner stopped
         (it stays pending for the next run)."""
@@ -167,22 +195,30 @@ class LineRunner:
         p = self._pipe
         parse = parse_chat if endpoint == "/v1/chat/completions" else parse_completion
         max_model_len, cap = p.pool.max_model_len, principal.quota.max_tokens_per_request
+
+        def parsed() -> tuple[Any, GenerationRequest | APIError]:
+            body = prepared_body(line.body, p.priority)
+            try:
+                return body, parse(body, p.tokenizer, max_model_len, cap)
+            except APIError as e:
+                return body, e  # answered after the model check, which the route makes first
+
+        # Always in a thread (the body's JSON too): a line is never worth a stall of interactive requests.
+        body, req = await trio.to_thread.run_sync(parsed)
         try:
-            # Always in a thread (the body's JSON too): a line is never worth a stall of interactive requests.
-            req = await trio.to_thread.run_sync(lambda: parse(prepared_body(line.body, p.priority), p.tokenizer,
-                                                              max_model_len, cap))
+            adapter = await self._model(principal, body)
         except APIError as e:
+            if is_transient(e):  # the adapter registry did not answer: waited out
+                raise _Retry(e) from None
             return _failed(line, e, None)
-        if not principal.allows_model(p.model):
-            return _failed(line, APIError(403, f"Your API key is not allowed to use the model `{p.model}`.",
-                                          code="model_not_allowed", param="model"), None)
+        if isinstance(req, APIError):
+            return _failed(line, req, None)
         if tries.attempts >= MAX_ATTEMPTS:
             return _exhausted(line, tries)
         rt = p.tracing.start_request("POST", endpoint)
         status: int | None = None  # None: cancelled (the batch expired, the runner stopped)
         try:
-            outcome = await self._generate(principal, req, line, marks, tries, rt,
-                                           "chatcmpl" if req.kind == "chat" else "cmpl")
+            outcome = await self._generate(principal, req, line, marks, tries, rt, adapter)
             status = None if outcome is None else outcome.status
             return outcome
         except _Retry as r:
@@ -190,6 +226,16 @@ class LineRunner:
             raise
         finally:
             rt.http_done(status)
+
+    async def _model(self, principal: Principal, body: Any) -> LoraAdapterRecord | None:
+        """``check_model`` for a line: resolved now, not at upload (an adapter may have been unregistered since)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str):  # the file check lets none in; a body stored before it is answered as so
+            raise bad_request("'model' must be a string", param="model")
+        adapter = await self.adapter_for(model, principal.tenant_id)
+        if not principal.allows_model(model):
+            raise model_not_allowed(model)
+        return adapter
 
     async def _admit(self, principal: Principal, req: GenerationRequest, line: Line, rt: RequestTrace) -> None:
         p = self._pipe
@@ -200,8 +246,10 @@ class LineRunner:
                 p.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
                 raise
 
-    async def _generate(self, principal: Principal, req: GenerationRequest, line: Line, marks: Marks, tries: _Tries,
-                        rt: RequestTrace, id_prefix: str) -> Outcome | None:
+    async def _claim(self, principal: Principal, req: GenerationRequest, line: Line, marks: Marks,
+                     rt: RequestTrace) -> Outcome | bool:
+        """Admission, then the attempt's record: True to run the line, False when it has a result already, its
+        outcome when its quota refuses it for good (a refusal that waiting cures is a ``_Retry``)."""
         p = self._pipe
         try:
             await self._admit(principal, req, line, rt)
@@ -218,18 +266,28 @@ class LineRunner:
             raise
         if not marked:
             p.quota.settle(line.request_id, 0)
+        return marked
+
+    async def _generate(self, principal: Principal, req: GenerationRequest, line: Line, marks: Marks, tries: _Tries,
+                        rt: RequestTrace, adapter: LoraAdapterRecord | None) -> Outcome | None:
+        p = self._pipe
+        claimed = await self._claim(principal, req, line, marks, rt)
+        if isinstance(claimed, Outcome):
+            return claimed
+        if not claimed:
             return None
         capture = _Capture()
         sub = line_submission(principal.tier, req.priority, p.priority)  # the batch tier, whatever the tenant's
         account = RequestAccount(p.quota, capture, p.metrics, principal, line.request_id, p.model,
                                  len(req.prompt_ids), rt, False, tier=sub.tier,
-                                 prompt_text=p.tokenizer.decode(req.prompt_ids) if principal.log_text else None)
+                                 prompt_text=p.tokenizer.decode(req.prompt_ids) if principal.log_text else None,
+                                 adapter=None if adapter is None else adapter.name)
         choices = Choices(p.pool, line.request_id, req.n, req.best_of)
         try:
             with rt.phase("queue") as span:
                 await submit_all(p.pool, choices, req, p.tokenizer, principal.cache_salt,
                                  unix_deadline(p.request_timeout), principal.weight, rt.context_for(span),
-                                 tier=sub.tier, priority=sub.priority)
+                                 tier=sub.tier, priority=sub.priority, adapter=adapter)
         except BaseException as e:
             choices.release_all()  # those already queued are aborted on their workers
             account.end(choices, "not_submitted")
@@ -243,7 +301,9 @@ class LineRunner:
             return _failed(line, err, None)
         account.worker = choices.worker_id
         tries.attempts += 1
-        builder = ResponseBuilder(f"{id_prefix}-{uuid.uuid4().hex}", p.model, int(time.time()), req, p.tokenizer)
+        # As on the routes: the response names the model the line asked for (the adapter, when it is one).
+        builder = ResponseBuilder(f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+                                  p.model if adapter is None else adapter.name, int(time.time()), req, p.tokenizer)
         try:
             body = await complete(choices, builder, p.request_timeout, account)
         except APIError as e:

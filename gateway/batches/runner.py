@@ -171,7 +171,9 @@ class BatchRunner:
                                                        "batch started"}], time.time())
             return
         try:
-            rows = await trio.to_thread.run_sync(self._rows, content, b.endpoint)
+            model, rows = await trio.to_thread.run_sync(self._rows, content, b.endpoint)
+            if not await self._check_model(b, model, rows[0][0]):
+                return  # the adapter registry did not answer (its call logged it): validated again next round
         except BatchFileError as e:
             await self._stored.fail(b.id, [e.as_batch_error()], time.time())
             return
@@ -179,12 +181,29 @@ class BatchRunner:
             log.info("batch started", extra={"fields": {"event": "batch_started", "batch_id": b.id,
                                                         "tenant_id": b.tenant_id, "lines": len(rows)}})
 
-    def _rows(self, content: bytes, endpoint: str) -> list[tuple[int, str, str]]:
+    def _rows(self, content: bytes, endpoint: str) -> tuple[str, list[tuple[int, str, str]]]:
+        """The file's model and its lines as rows. Runs in a thread: the model is resolved after (``_check_model``)."""
         parsed = parse_batch_file(content, self._model, self._max_file_lines)
         if parsed.endpoint != endpoint:
             raise BatchFileError(f"'url' is {parsed.endpoint}, not the batch's endpoint {endpoint}",
                                  parsed.lines[0].line, "mismatched_url")
-        return [(line.line, line.custom_id, json.dumps(line.body, separators=(",", ":"))) for line in parsed.lines]
+        return parsed.model, [(line.line, line.custom_id, json.dumps(line.body, separators=(",", ":")))
+                              for line in parsed.lines]
+
+    async def _check_model(self, b: BatchRecord, model: str, first_line: int) -> bool:
+        """Whether ``model`` is the served model or an adapter the batch's tenant may use, False when the registry
+        did not answer; else a ``BatchFileError``: a batch naming no model it could run fails now, not line by
+        line, and another tenant's adapter fails exactly as a name nobody registered. Asked here, not in
+        ``_rows``'s thread (the registry is async); each line asks again when it runs (adapters come and go)."""
+        if model == self._model:
+            return True
+        try:
+            await self._lines.adapter_for(model, b.tenant_id)
+        except APIError as e:
+            if e.code != "model_not_found":
+                return False  # a 503: kept apart from the other batches' round, which goes on
+            raise BatchFileError(e.message, first_line, "model_not_found") from None
+        return True
 
     async def _fill(self, runnable: list[BatchRecord], lines: trio.Nursery) -> None:
         free = self._cap - self.in_flight
