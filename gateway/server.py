@@ -44,6 +44,7 @@ from gateway.batches.line import LineRunner, Pipeline, batch_priority
 from gateway.batches.runner import LEASE_TTL_S, BatchRunner
 from gateway.batches.stored import StoredBatches
 from gateway.responses.stored import StoredResponses
+from tenancy.adapter_ops import AdapterAdmin
 from tenancy.adapters_store import AdapterStore
 from tenancy.db_backend import redact
 from tenancy.lora_check import LoraContext
@@ -222,6 +223,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                     worker_auth.keyring.local_ids = frozenset(supervisor.worker_ids())
                 await outer.start(supervisor.run)
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing, lora=lora)
+            # Uploads left unregistered (a tenant suspended through kvgatectl, a crash mid-upload): gone at start.
+            await trio.to_thread.run_sync(AdapterAdmin(tenancy.store, lora).sweep)
             await outer.start(_batch_runner(state).run)  # runs batches while this gateway holds the lease
             app = create_app(state)
             stop = trio.Event()

@@ -9,8 +9,10 @@ check runs before the store is touched: a refused adapter leaves nothing registe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from tenancy.adapter_files import sweep_uploads
 from tenancy.adapters_store import NAME_RE, AdapterExists, AdapterStore, check_adapter_name
 from tenancy.lora_check import LoraContext, check_adapter, resolve_adapter_dir
 from tenancy.models import LoraAdapterRecord, Tenant
@@ -95,3 +97,9 @@ class AdapterAdmin:
         records = self._adapters.list(None if owner is None else owner.id)
         tenants = {t.id: t for t in self._store.list_tenants()}  # one query for the owners, not one per row
         return {"object": "list", "data": [adapter_json(a, tenants.get(a.tenant_id or "")) for a in records]}
+
+    def sweep(self, tenant_id: str | None = None) -> Sequence[str]:  # (``list`` is a method here)
+        """Removes tenants' uploads nothing is registered over (tenancy/adapter_files.py); [] without --lora-dir."""
+        if self._lora is None:
+            return []
+        return sweep_uploads(self._lora.directory, {a.path for a in self._adapters.list()}, tenant_id=tenant_id)

@@ -174,7 +174,10 @@ class LocalAdmin:
 
     @_translated
     def suspend_tenant(self, ref: str) -> Json:
-        return tenant_json(self._store.suspend_tenant(self._tenant(ref).id))
+        tenant = self._tenant(ref)
+        out = tenant_json(self._store.suspend_tenant(tenant.id))
+        self._adapters.sweep(tenant.id)  # its adapters were unregistered with it: their uploaded files go too
+        return out
 
     @_translated
     def resume_tenant(self, ref: str) -> Json:
@@ -202,6 +205,7 @@ class LocalAdmin:
     def delete_tenant(self, ref: str) -> Json:
         tenant = self._tenant(ref)
         self._store.delete_tenant(tenant.id)
+        self._adapters.sweep(tenant.id)
         return {"id": tenant.id, "name": tenant.name, "deleted": True}
 
     # keys

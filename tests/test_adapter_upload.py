@@ -203,3 +203,14 @@ def test_delete_own_only(srv: Server, keys: dict[str, str], sources: Path, lora_
     _assert_error(_chat(srv, a, "gone-soon"), 404, "model_not_found")
     _assert_error(httpx.delete(f"{srv.url}/v1/adapters/gone-soon", headers=_auth(a), timeout=30), 404)
     assert _upload(srv, b, "gone-soon", sources / "good").status_code == 200  # the name is free again
+
+
+def test_a_suspended_tenants_uploads_are_removed(srv: Server, sources: Path, lora_dir: Path) -> None:
+    _, key = make_tenant(srv, "up-gone")
+    assert _upload(srv, key, "of-a-gone-tenant", sources / "good").status_code == 200
+    assert [p for p in lora_dir.iterdir() if p.name.startswith("of-a-gone-tenant.")]
+    r = httpx.post(f"{srv.url}/admin/tenants/up-gone/suspend", headers=srv.admin_headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "of-a-gone-tenant" not in _registered(srv)
+    assert not [p for p in lora_dir.iterdir() if p.name.startswith("of-a-gone-tenant.")]  # its files went too
+    assert (lora_dir / "operator-good").is_dir()  # an operator's directory is never the sweep's

@@ -17,7 +17,6 @@ and a name nobody registered are the same 404 on DELETE (no oracle); names are o
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import secrets
@@ -41,6 +40,7 @@ from gateway.api.files_routes import UploadConnection
 from gateway.api.http_json import json_response
 from gateway.base.errors import APIError, bad_request
 from gateway.base.principal import Principal
+from tenancy.adapter_files import read_marker, write_marker
 from tenancy.admin_ops import AdminOpError, LocalAdmin
 from tenancy.adapters_store import NAME_RE, AdapterStore
 from tenancy.lora_check import CONFIG_FILE, WEIGHTS_FILE, LoraContext, check_adapter
@@ -54,7 +54,6 @@ FILE_PARTS = (CONFIG_FILE, WEIGHTS_FILE)  # the form's file parts are named as P
 MAX_NAME_BYTES = 1024  # the name field's bytes: far past any valid name, so a bad one is refused by the rule
 CHUNK = 1 << 20  # the body is fed to the multipart decoder this much at a time, and written to disk as it decodes
 TEMP_PREFIX = ".upload-"  # not a valid adapter directory name: nothing can name a half-written upload
-MARKER = ".kvgate-upload.json"  # in an uploaded directory: which tenant's upload it is (DELETE removes only those)
 _PARAMS = {"lora_name": "name", "lora_path": "name", "tenant": None}  # the admin op's params, in this API's words
 
 
@@ -183,7 +182,7 @@ def write_form(raw: bytes, boundary: bytes, tmp: Path) -> str:
 def publish(tmp: Path, root: Path, name: str, tenant_id: str) -> str:
     """Marks ``tmp`` as the tenant's upload and renames it into place; its directory's name. The random suffix:
     never an existing directory (an operator's, or an upload of a name since freed), and a valid worker name."""
-    (tmp / MARKER).write_text(json.dumps({"name": name, "tenant_id": tenant_id}))
+    write_marker(tmp, name, tenant_id)  # which tenant's upload it is (DELETE and sweeps remove only those)
     final = f"{name[:100]}.{secrets.token_hex(8)}"
     os.rename(tmp, root / final)  # the same filesystem: atomic
     return final
@@ -193,11 +192,7 @@ def remove_upload(root: Path, record: LoraAdapterRecord, adapters: AdapterStore)
     """Deletes an unregistered adapter's files when they are this tenant's upload of this name and nothing else is
     registered over them; an operator's directory registered to the tenant is the operator's to remove."""
     directory = root / record.path
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return
-    if marker != {"name": record.name, "tenant_id": record.tenant_id}:
+    if read_marker(directory) != {"name": record.name, "tenant_id": record.tenant_id}:
         return
     if any(a.path == record.path for a in adapters.list()):
         return

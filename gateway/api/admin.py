@@ -35,6 +35,7 @@ from gateway.api.http_json import json_response, read_json
 from gateway.base.errors import APIError, bad_request
 from tenancy.admin_ops import AdminOpError, Json, LocalAdmin
 from tenancy.admin_values import QUOTA_FIELDS
+from tenancy.lora_check import LoraContext
 from tenancy.store import TenancyStore
 from tenancy.tiers import DEFAULT_TIER
 
@@ -181,9 +182,12 @@ ROUTES = (
 )
 
 
-def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None]) -> Blueprint:
+def create_admin_blueprint(store: TenancyStore, admin_token: str | None, on_change: Callable[[], None],
+                           lora: LoraContext | None = None) -> Blueprint:
+    """``lora``: the gateway's --lora-dir, so that suspending or deleting a tenant also removes its uploaded
+    adapters' files (tenancy/adapter_files.py)."""
     bp = Blueprint("admin", __name__, url_prefix="/admin")
-    routes = _AdminRoutes(LocalAdmin(store), admin_token, on_change)
+    routes = _AdminRoutes(LocalAdmin(store, lora=lora), admin_token, on_change)
     bp.before_request(routes.require_admin_token)
     for method, rule, name in ROUTES:
         bp.add_url_rule(rule, name, getattr(routes, name), methods=[method])

@@ -42,7 +42,7 @@ def create_app(state: GatewayState) -> QuartTrio:
     service_routes.register(app)
     token_routes.register(app)
     app.register_blueprint(create_admin_blueprint(state.tenancy.store, cfg.tenancy.admin_token,
-                                                  lambda: _tenancy_changed(state)))
+                                                  lambda: _tenancy_changed(state), state.lora))
     app.register_blueprint(create_adapter_blueprint())  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.add_url_rule("/openapi.json", "openapi", openapi.route(cfg.model_name), methods=["GET"])  # fuzzers, SDKs
     app.before_request(hooks.refuse_while_draining)
