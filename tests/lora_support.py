@@ -3,6 +3,8 @@ serving them, and the transformers + peft twin as the oracle."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,24 @@ def three_adapters(hf: Any, d: Path) -> Path:
     make_adapter(hf, d / "all", ALL, r=8, seed=3)
     return d
 
+
+
+def broken_copies(good: Path, d: Path) -> None:
+    """Copies of the adapter ``good`` under ``d``, each broken one way: "truncated" (half its safetensors file),
+    "rank" (its config says r = 128), "shapes" (q_proj's A made for a base model of hidden size 32, where the tiny
+    model's is 64)."""
+    from safetensors.torch import load_file, save_file
+
+    from common.peft_config import CONFIG_FILE, WEIGHTS_FILE
+
+    shutil.copytree(good, d / "truncated")
+    data = (d / "truncated" / WEIGHTS_FILE).read_bytes()
+    (d / "truncated" / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+    shutil.copytree(good, d / "rank")
+    cfg = json.loads((d / "rank" / CONFIG_FILE).read_text())
+    (d / "rank" / CONFIG_FILE).write_text(json.dumps({**cfg, "r": 128}))
+    shutil.copytree(good, d / "shapes")
+    sd = load_file(str(d / "shapes" / WEIGHTS_FILE))
+    key = next(k for k in sd if "q_proj.lora_A" in k)
+    sd[key] = sd[key][:, :32].contiguous()
+    save_file(sd, str(d / "shapes" / WEIGHTS_FILE))

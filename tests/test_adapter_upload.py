@@ -17,9 +17,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from safetensors.torch import load_file, save_file
 
-from tests.lora_support import ATTN, make_adapter
+from tests.lora_support import ATTN, broken_copies, make_adapter
 from tests.tenancy_support import make_tenant
 from tests.test_gateway_support import MODEL, Server, start_server
 
@@ -36,17 +35,7 @@ def sources(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     hf = LlamaForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
     d = tmp_path_factory.mktemp("sources")
     make_adapter(hf, d / "good", ATTN, seed=6)
-    shutil.copytree(d / "good", d / "truncated")
-    data = (d / "truncated" / WEIGHTS).read_bytes()
-    (d / "truncated" / WEIGHTS).write_bytes(data[: len(data) // 2])
-    shutil.copytree(d / "good", d / "rank")
-    cfg = json.loads((d / "rank" / CONFIG).read_text())
-    (d / "rank" / CONFIG).write_text(json.dumps({**cfg, "r": 128}))
-    shutil.copytree(d / "good", d / "shapes")  # as if made for a base model with another hidden size
-    sd = load_file(str(d / "shapes" / WEIGHTS))
-    key = next(k for k in sd if "q_proj.lora_A" in k)
-    sd[key] = sd[key][:, :32].contiguous()  # the base model's hidden size is 64
-    save_file(sd, str(d / "shapes" / WEIGHTS))
+    broken_copies(d / "good", d)
     return d
 
 

@@ -15,15 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai.types import Batch, FileObject
+from openai.types import FileObject
 
 from tests.tenancy_support import make_tenant, store_of
-from tests.test_gateway_support import MODEL, Server, start_server
+from tests.test_gateway_support import MODEL, Server, start_server, wait_batch
 
 pytestmark = pytest.mark.timeout(300)
 MAX_FILE_BYTES = 20_000
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +58,6 @@ def _jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-def _wait(client: openai.OpenAI, batch_id: str, within: float = 120.0, until: tuple[str, ...] = FINAL) -> Batch:
-    deadline = time.monotonic() + within
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in until or time.monotonic() > deadline:
-            assert batch.status in until, batch
-            return batch
-        time.sleep(0.2)
-
-
 def _output(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     assert file_id is not None
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
@@ -85,7 +74,7 @@ def test_a_chat_batch_end_to_end(client: openai.OpenAI, server: Server) -> None:
                                   metadata={"run": "e2e"})
     assert batch.id.startswith("batch_") and batch.status == "validating" and batch.metadata == {"run": "e2e"}
     assert batch.expires_at == batch.created_at + 86400
-    done = _wait(client, batch.id)
+    done = wait_batch(client, batch.id)
     assert done.status == "completed" and done.error_file_id is None and done.errors is None
     assert done.request_counts is not None and done.request_counts.model_dump() == {"total": 6, "completed": 6,
                                                                                     "failed": 0}
@@ -116,7 +105,7 @@ def test_a_chat_batch_end_to_end(client: openai.OpenAI, server: Server) -> None:
 def test_a_completions_batch_with_a_refused_body(client: openai.OpenAI) -> None:
     lines = [_line(0, COMPLETIONS, "c"), _line(1, COMPLETIONS, "c", temperature="hot"), _line(2, COMPLETIONS, "c")]
     uploaded = client.files.create(file=("c.jsonl", _jsonl(lines)), purpose="batch")
-    done = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint=COMPLETIONS,
+    done = wait_batch(client, client.batches.create(input_file_id=uploaded.id, endpoint=COMPLETIONS,
                                                completion_window="24h").id)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
@@ -187,23 +176,23 @@ def test_another_tenant_sees_nothing(client: openai.OpenAI, server: Server) -> N
         with pytest.raises(openai.NotFoundError):
             call()
     assert other.files.list().data == [] and other.batches.list().data == []
-    assert _wait(client, batch.id).status == "completed"  # the owner's batch ran regardless
+    assert wait_batch(client, batch.id).status == "completed"  # the owner's batch ran regardless
 
 
 def test_cancel(client: openai.OpenAI) -> None:
     data = _jsonl([_line(i, max_tokens=200) for i in range(40)])
     batch = client.batches.create(input_file_id=client.files.create(file=("long.jsonl", data), purpose="batch").id,
                                   endpoint=CHAT, completion_window="24h")
-    _wait(client, batch.id, until=("in_progress",), within=30)
+    wait_batch(client, batch.id, until=("in_progress",), within=30)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
-    done = _wait(client, batch.id)
+    done = wait_batch(client, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None and done.request_counts is not None
     assert done.request_counts.total == 40 and done.request_counts.completed < 40
     if done.request_counts.completed:  # the lines that were in flight finished and are in the output
         assert len(_output(client, done.output_file_id)) == done.request_counts.completed
     with pytest.raises(openai.ConflictError):
-        client.batches.cancel(_wait(client, client.batches.create(
+        client.batches.cancel(wait_batch(client, client.batches.create(
             input_file_id=client.files.create(file=("one.jsonl", _jsonl(GOOD[:1])), purpose="batch").id,
             endpoint=CHAT, completion_window="24h").id).id)
 
@@ -215,7 +204,7 @@ def test_workers_under_fcfs_get_no_priority(fcfs_server: Server) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                        extra_body={"priority": 100})
     uploaded = client.files.create(file=("f.jsonl", _jsonl(GOOD[:2])), purpose="batch")
-    done = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+    done = wait_batch(client, client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
                                                completion_window="24h").id)
     assert done.request_counts is not None and done.request_counts.model_dump() == {"total": 2, "completed": 2,
                                                                                     "failed": 0}
@@ -252,7 +241,7 @@ def test_a_killed_gateway_s_batch_is_finished_by_the_next(tiny_model_dir: Path, 
                           db_path=first.db_path, secret=first.secret)
     try:
         client = _client(second, first.api_key)
-        done = _wait(client, batch.id, within=180)
+        done = wait_batch(client, batch.id, within=180)
         assert done.status == "completed" and done.request_counts is not None
         assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
         lines = _output(client, done.output_file_id)
@@ -281,7 +270,7 @@ def test_two_gateways_on_one_postgresql_run_each_batch_once(tiny_model_dir: Path
         batch = client_b.batches.create(input_file_id=client_b.files.create(file=("x.jsonl", data),
                                                                             purpose="batch").id,
                                         endpoint=CHAT, completion_window="24h")
-        done = _wait(_client(a), batch.id)  # either gateway answers for it
+        done = wait_batch(_client(a), batch.id)  # either gateway answers for it
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 4
         ran = {name: s.log().count('"request_id":"batch_req_') for name, s in servers.items()}
         leaders = [name for name, s in servers.items() if "batch_runner_leading" in s.log()]
@@ -292,7 +281,7 @@ def test_two_gateways_on_one_postgresql_run_each_batch_once(tiny_model_dir: Path
         client = _client(other, a.api_key)
         again = client.batches.create(input_file_id=client.files.create(file=("y.jsonl", data), purpose="batch").id,
                                       endpoint=CHAT, completion_window="24h")
-        assert _wait(client, again.id, within=60).status == "completed"
+        assert wait_batch(client, again.id, within=60).status == "completed"
         assert "batch_runner_leading" in other.log()
     finally:
         for s in servers.values():

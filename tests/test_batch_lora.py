@@ -16,16 +16,14 @@ from typing import Any, Final
 import httpx
 import openai
 import pytest
-from openai.types import Batch
 
 from gateway.batches.jsonl import BatchFileError, parse_batch_file
 from tests.lora_support import ATTN, make_adapter
 from tests.tenancy_support import make_tenant, store_of
-from tests.test_gateway_support import MODEL, Server, start_server
+from tests.test_gateway_support import MODEL, Server, start_server, wait_batch
 
 pytestmark = pytest.mark.timeout(300)
 COMPLETIONS: Final = "/v1/completions"
-FINAL = ("completed", "failed", "cancelled", "expired")
 PROMPTS = [[5, 17, 230, 41, 7, 99, 1200, 3], [11, 12, 13, 14], [300, 2, 301, 4, 302, 6]]
 N = 8
 
@@ -77,16 +75,6 @@ def _run(client: openai.OpenAI, bodies: list[dict[str, Any]]) -> str:
     return client.batches.create(input_file_id=uploaded.id, endpoint=COMPLETIONS, completion_window="24h").id
 
 
-def _wait(client: openai.OpenAI, batch_id: str, within: float = 120.0) -> Batch:
-    deadline = time.monotonic() + within
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in FINAL or time.monotonic() > deadline:
-            assert batch.status in FINAL, batch
-            return batch
-        time.sleep(0.1)
-
-
 def _lines(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
     assert file_id is not None
     return {line["custom_id"]: line for line in map(json.loads, client.files.content(file_id).text.splitlines())}
@@ -108,7 +96,7 @@ def test_a_batch_on_an_adapter_answers_as_its_requests_and_bills_the_adapter(
         srv: Server, tenants: dict[str, tuple[str, str]]) -> None:
     a_id, a_key = tenants["ten-a"]
     with _client(srv, a_key) as client:
-        done = _wait(client, _run(client, [_body("alpha-a", p) for p in PROMPTS]))
+        done = wait_batch(client, _run(client, [_body("alpha-a", p) for p in PROMPTS]))
         assert done.status == "completed" and done.request_counts is not None
         assert done.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}
         lines = _lines(client, done.output_file_id)
@@ -133,7 +121,7 @@ def test_another_tenant_s_adapter_fails_validation_as_a_name_nobody_registered(
     with _client(srv, tenants["ten-b"][1]) as client:
         errors = {}
         for name in ("alpha-a", "alpha-nobody"):  # uploaded fine: the name is only resolved when the batch starts
-            done = _wait(client, _run(client, [_body(name, p) for p in PROMPTS]))
+            done = wait_batch(client, _run(client, [_body(name, p) for p in PROMPTS]))
             assert done.status == "failed" and done.errors is not None and done.errors.data is not None
             [error] = done.errors.data
             errors[name] = (error.code, error.line, error.message and error.message.replace(name, "NAME"))
@@ -160,7 +148,7 @@ def test_an_adapter_unregistered_mid_batch_fails_the_lines_after(srv: Server,
         r = httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": "alpha-tmp"},
                        headers=srv.admin_headers, timeout=30)
         assert r.status_code == 200, r.text
-        done = _wait(client, batch_id)
+        done = wait_batch(client, batch_id)
         assert done.status == "completed" and done.request_counts is not None
         completed, failed = done.request_counts.completed, done.request_counts.failed
         assert completed >= 1 and failed >= 1 and completed + failed == n  # lines in flight at the unload finish

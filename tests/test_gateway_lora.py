@@ -17,9 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from safetensors.torch import load_file, save_file
 
-from tests.lora_support import ALL, ATTN, make_adapter
+from tests.lora_support import ALL, ATTN, broken_copies, make_adapter
 from tests.tenancy_support import make_tenant, store_of
 from tests.test_gateway_support import ADMIN_TOKEN, MODEL, REPO, Server, start_server
 
@@ -42,17 +41,7 @@ def loras(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     make_adapter(hf, d / "beta", ALL, r=4, seed=7)
     make_adapter(hf, root / "outside", ATTN, seed=8)
     (d / "escape").symlink_to(root / "outside")
-    shutil.copytree(d / "alpha", d / "truncated")
-    data = (d / "truncated" / WEIGHTS).read_bytes()
-    (d / "truncated" / WEIGHTS).write_bytes(data[: len(data) // 2])
-    shutil.copytree(d / "alpha", d / "rank")
-    cfg = json.loads((d / "rank" / CONFIG).read_text())
-    (d / "rank" / CONFIG).write_text(json.dumps({**cfg, "r": 128}))
-    shutil.copytree(d / "alpha", d / "shapes")
-    sd = load_file(str(d / "shapes" / WEIGHTS))
-    key = next(k for k in sd if "q_proj.lora_A" in k)
-    sd[key] = sd[key][:, :32].contiguous()  # the base model's hidden size is 64
-    save_file(sd, str(d / "shapes" / WEIGHTS))
+    broken_copies(d / "alpha", d)
     return d
 
 

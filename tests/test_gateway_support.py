@@ -19,11 +19,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    import openai
+    from openai.types import Batch
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -250,3 +254,18 @@ def wait_idle(server: Server, within: float = 1.0) -> float:
             return time.monotonic() - t0
         time.sleep(0.05)
     raise AssertionError(f"worker still busy {within}s later: running={running} kv={kv}")
+
+
+BATCH_FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, within: float = 120.0,
+               until: tuple[str, ...] = BATCH_FINAL) -> Batch:
+    """The batch once its status is one of ``until`` (fails past ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until or time.monotonic() > deadline:
+            assert batch.status in until, batch
+            return batch
+        time.sleep(0.2)
