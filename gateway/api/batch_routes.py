@@ -19,7 +19,7 @@ from quart_trio import QuartTrio
 from gateway.api.context import app_state, authorize
 from gateway.api.files_routes import check_query, list_limit, page_body
 from gateway.api.http_json import json_response, read_json
-from gateway.base.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request, model_not_allowed
 from gateway.batches.jsonl import ENDPOINTS
 from gateway.batches.objects import batch_object, new_batch_id
 from tenancy.batch_store import BatchRecord
@@ -87,8 +87,7 @@ async def create_batch() -> Response:
         raise bad_request(f"The input file's requests are to {upload.endpoint} (line 1), not to {endpoint}",
                           param="endpoint", code="mismatched_url")
     if not principal.allows_model(model):
-        raise APIError(403, f"Your API key is not allowed to use the model `{model}`.", code="model_not_allowed",
-                       param="input_file_id")
+        raise model_not_allowed(model, param="input_file_id")
     now = time.time()
     record = BatchRecord(new_batch_id(), principal.tenant_id, principal.key_id, now, "validating", endpoint, file_id,
                          window, metadata, now + COMPLETION_WINDOW_S[window])

@@ -9,7 +9,7 @@ from quart import current_app, g, request
 from quart_trio import QuartTrio
 
 from gateway.api.state import GatewayState
-from gateway.base.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request, model_not_allowed, model_not_found
 from gateway.base.principal import Principal
 from tenancy.models import LoraAdapterRecord
 
@@ -67,10 +67,6 @@ async def check_model(body: Any, principal: Principal) -> LoraAdapterRecord | No
     if model != served and adapter is None:
         raise model_not_found(model)
     if not principal.allows_model(model):
-        raise APIError(403, f"Your API key is not allowed to use the model `{model}`.",
-                       code="model_not_allowed", param="model")
+        raise model_not_allowed(model)
     return adapter
 
-
-def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")

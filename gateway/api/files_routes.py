@@ -27,7 +27,7 @@ from werkzeug.http import parse_options_header
 
 from gateway.api.context import app_state, authorize
 from gateway.api.http_json import json_response
-from gateway.base.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request, model_not_allowed
 from gateway.batches.jsonl import parse_batch_file
 from gateway.batches.objects import file_object, new_file_id
 from tenancy.files_store import FileRecord
@@ -144,8 +144,7 @@ async def upload_file() -> Response:
                        code="file_too_large", param="file")
     parsed = await trio.to_thread.run_sync(parse_batch_file, data, cfg.model_name, cfg.batch.max_file_lines)
     if not principal.allows_model(cfg.model_name):
-        raise APIError(403, f"Your API key is not allowed to use the model `{cfg.model_name}`.",
-                       code="model_not_allowed", param="file")
+        raise model_not_allowed(cfg.model_name, param="file")
     record = FileRecord(new_file_id(), principal.tenant_id, time.time(), filename, "batch", len(data),
                         len(parsed.lines), parsed.endpoint)
     await state.tenancy.batches.put_file(record, data)

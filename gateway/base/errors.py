@@ -54,6 +54,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return APIError(400, message, param=param, code=code)
 
 
+def model_not_found(model: str) -> APIError:
+    """A ``model`` that is not one the caller may use: a name nobody registered and another tenant's adapter alike."""
+    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+def model_not_allowed(model: str, param: str = "model") -> APIError:
+    """The caller's key is not allowed ``model`` (its ``allowed_models``); ``param``: where the model was named."""
+    return APIError(403, f"Your API key is not allowed to use the model `{model}`.", code="model_not_allowed",
+                    param=param)
+
+
 def unavailable(message: str, retry_after: float, code: str = "no_capacity") -> APIError:
     return APIError(503, message, code=code, retry_after=retry_after)
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import trio
 
-from gateway.base.errors import APIError, bad_request
+from gateway.base.errors import APIError, bad_request, model_not_allowed, model_not_found
 from gateway.base.handle import RequestFailed
 from gateway.base.principal import Principal
 from gateway.batches.objects import failure_line, success_line, unrun_line
@@ -126,16 +126,6 @@ def batch_priority(scheduling_policy: str | None) -> int | None:
     """The priority batch lines are sent with: ``BATCH_PRIORITY``, unless this gateway starts its workers with
     the fcfs policy (workers started by hand must then run the same policy as the gateway's own)."""
     return None if scheduling_policy == "fcfs" else BATCH_PRIORITY
-
-
-def model_not_found(model: str) -> APIError:
-    """The routes' answer (``gateway.api.context``) for a name that is not a model this tenant may use."""
-    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-
-
-def model_not_allowed(model: str) -> APIError:
-    return APIError(403, f"Your API key is not allowed to use the model `{model}`.", code="model_not_allowed",
-                    param="model")
 
 
 def is_transient(err: APIError) -> bool:
