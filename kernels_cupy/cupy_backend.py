@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels_cupy.interface import AttentionBackend, AttentionMetadata, as_decode_rows
+from kernels_cupy.interface import AttentionBackend, AttentionMetadata, DecodeRows
 from kernels_cupy.kernels import (
     DEFAULT_PARTITION_SIZE,
     KERNEL_FILES,
@@ -104,7 +104,7 @@ class CupyAttentionBackend:
     logged once per layout.
 
     ``split``: ``invariant`` (the default, what the engine runs) treats every query row as a decode row
-    (:func:`kernels_cupy.interface.as_decode_rows`) and always splits its context at the fixed
+    (:func:`kernels_cupy.interface.as_decode_rows`, once a step) and always splits its context at the fixed
     ``partition_size``: a row's result then depends on its own context alone, not on its batch, its chunk, a
     prefix-cache hit or whether a CUDA graph runs it (the determinism rule). ``auto`` / ``always`` / ``never``
     run prefill chunks through the prefill kernel and choose split-K per step (auto: by the grid's size), which
@@ -124,6 +124,7 @@ class CupyAttentionBackend:
         self._sm_count: dict[int, int] = {}
         self._reference = TorchAttentionBackend()
         self._fallback_logged: set[tuple[str, int, int]] = set()
+        self._rows = DecodeRows()  # mode "invariant": the step's rows as decode rows, built once a step
 
     # ------------------------------------------------------------------ compilation and launching
 
@@ -226,7 +227,7 @@ class CupyAttentionBackend:
             return torch.empty_like(query)
         split = self.split
         if split == "invariant":
-            meta, split = as_decode_rows(meta), "always"
+            meta, split = self._rows.of(meta, k_cache.shape[1]), "always"
         q = _unit_last(query.to(TORCH_DTYPES[cfg.query_dtype]))  # (T, Hq, D)
         out = torch.empty((t, hq, d), dtype=q.dtype, device=query.device)  # (T, Hq, D) contiguous
         tables = meta.block_tables.to(torch.int32).contiguous()  # (B, max_blocks)

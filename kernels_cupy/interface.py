@@ -58,32 +58,61 @@ class AttentionBackend(Protocol):
         ...
 
 
-def as_decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
-    """The same step with every query row its own one-token sequence: row r of a sequence whose chunk starts
-    at context position c sees keys [0, c + r], through that sequence's block-table row.
+def chunk_as_decode_rows(block_table: torch.Tensor, seq_len: int, qlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``qlen`` query rows of a sequence of ``seq_len`` tokens as that many decode rows, causal by
+    construction: row j sees the first seq_len - qlen + j + 1 positions. block_table (max_blocks,) ->
+    tables (qlen, max_blocks) int32, lens (qlen,) int32, on the table's device."""
+    lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32, device=block_table.device)
+    return block_table[None, :].expand(qlen, -1), lens
+
+
+def step_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of a step as a decode row: its sequence's block table (T, nb) int32, contiguous, cut to
+    the blocks the longest context uses, and the context it sees (T,) int32, itself included."""
+    nd = meta.num_decodes
+    if nd == meta.num_seqs:  # decodes only: the step's own tables
+        return meta.block_tables[:nd], meta.seq_lens[:nd]
+    nb = -(-max(meta.seq_lens_cpu) // block_size)
+    rows = [(meta.block_tables[:nd, :nb], meta.seq_lens[:nd])] if nd else []
+    rows += [chunk_as_decode_rows(meta.block_tables[i, :nb], meta.seq_lens_cpu[i], meta.query_lens_cpu[i])
+             for i in range(nd, meta.num_seqs)]
+    return torch.cat([tables for tables, _ in rows]), torch.cat([lens for _, lens in rows])
+
+
+def as_decode_rows(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """The same step with every query row its own one-token sequence (``step_rows``): row r of a sequence whose
+    chunk starts at context position c sees keys [0, c + r], through that sequence's block-table row.
 
     This is how a backend makes a row's attention independent of its step: a prompt row then runs the very
     arithmetic a decode row runs (one kernel, one fixed split of its context), whether it came in a chunk of 16 or
-    512, after a prefix-cache hit or not, or as a decode token (kernels_cupy/cupy_backend.py, mode "invariant").
+    512, after a prefix-cache hit or not, or as a decode token (the CPU backend; kernels_cupy/cupy_backend.py, mode
+    "invariant").
     """
     if meta.num_decodes == meta.num_seqs:
         return meta  # every sequence has one query row already
-    row_seq: list[int] = []
-    row_len: list[int] = []
-    for s, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        row_seq += [s] * qlen
-        row_len += range(slen - qlen + 1, slen + 1)
-    dev = meta.seq_lens.device
-    t = len(row_seq)
-    lens = torch.tensor(row_len, dtype=torch.int32).to(dev)  # (T,)
-    seqs = torch.tensor(row_seq, dtype=torch.int64).to(dev)  # (T,)
+    tables, lens = step_rows(meta, block_size)
+    row_len = [n for qlen, slen in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
+               for n in range(slen - qlen + 1, slen + 1)]  # lens, on the host (the launch plan reads them)
+    t = len(row_len)
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping,
-        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=dev),
-        seq_lens=lens,
-        block_tables=meta.block_tables.index_select(0, seqs),  # (T, max_blocks)
+        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=lens.device),
+        seq_lens=lens,  # (T,)
+        block_tables=tables,  # (T, nb)
         query_lens_cpu=(1,) * t,
         seq_lens_cpu=tuple(row_len),
         num_decodes=t,
         max_seq_len=meta.max_seq_len,
     )
+
+
+class DecodeRows:
+    """``as_decode_rows`` built once a step: every layer of a step attends with the same metadata object."""
+
+    def __init__(self) -> None:
+        self._last: tuple[AttentionMetadata, int, AttentionMetadata] | None = None
+
+    def of(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        if self._last is None or self._last[0] is not meta or self._last[1] != block_size:
+            self._last = (meta, block_size, as_decode_rows(meta, block_size))  # holds meta: its id is not reused
+        return self._last[2]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels_cupy.interface import AttentionMetadata, as_decode_rows
+from kernels_cupy.interface import AttentionMetadata, DecodeRows
 from kernels_cupy.kernels import (
     NUM_WARPS,
     THREAD_GROUP,
@@ -345,6 +345,7 @@ class EmulatedAttentionBackend:
     def __init__(self, sm_count: int = 132, partition_size: int = 512, split: str = "auto") -> None:
         self.sm_count, self.partition_size, self.split = sm_count, partition_size, split
         self.last_plan: ForwardPlan | None = None  # for tests: which kernels the last forward ran
+        self._rows = DecodeRows()
 
     @staticmethod
     def _config(cache: torch.Tensor, num_q_heads: int, query_dtype: torch.dtype) -> KernelConfig:
@@ -384,7 +385,7 @@ class EmulatedAttentionBackend:
         q = query
         split = self.split
         if split == "invariant":  # as the CuPy backend does: every query row a decode row, split-K always
-            meta, split = as_decode_rows(meta), "always"
+            meta, split = self._rows.of(meta, k_cache.shape[1]), "always"
         plan = plan_forward(hq, k_cache.shape[2], d, (q.stride(0), q.stride(1)), meta.block_tables.shape[1],
                             meta.query_lens_cpu, meta.seq_lens_cpu, meta.num_decodes, scale, self.sm_count,
                             self.partition_size, split)

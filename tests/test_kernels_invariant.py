@@ -43,14 +43,16 @@ def _chunk(meta: AttentionMetadata, seq: int, start: int, end: int) -> Attention
 
 def test_as_decode_rows_gives_each_row_its_own_context() -> None:
     case = build_case([(9, 1), (12, 4), (5, 5)], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=4, seed=1)
-    rows = as_decode_rows(case.meta)
+    rows = as_decode_rows(case.meta, 4)
     assert rows.num_decodes == rows.num_seqs == 10
     assert rows.seq_lens_cpu == (9, 9, 10, 11, 12, 1, 2, 3, 4, 5)
     assert rows.seq_lens.tolist() == list(rows.seq_lens_cpu)
     assert rows.query_start_loc.tolist() == list(range(11))
-    assert torch.equal(rows.block_tables[1:5], case.meta.block_tables[1:2].expand(4, -1))
+    nb = rows.block_tables.shape[1]  # cut to the blocks of the longest context (12 tokens: 3 of 4)
+    assert nb == 3 and torch.equal(rows.block_tables[1:5], case.meta.block_tables[1:2, :nb].expand(4, -1))
+    assert torch.equal(rows.block_tables[0], case.meta.block_tables[0, :nb])
     decodes = build_case([(9, 1), (3, 1)], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=4, seed=1)
-    assert as_decode_rows(decodes.meta) is decodes.meta  # nothing to expand
+    assert as_decode_rows(decodes.meta, 4) is decodes.meta  # nothing to expand
 
 
 @pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "fp16", "bf16"])
@@ -120,3 +122,16 @@ def test_tiled_linear_rows_do_not_depend_on_the_row_count() -> None:
         x = torch.randn(t, 576)
         x[:3] = probe  # same rows at the same place in their tile, other rows and counts differ
         assert torch.equal(layer(x)[:3], alone), t
+
+
+def test_decode_rows_are_built_once_a_step() -> None:
+    from kernels_cupy.interface import DecodeRows
+
+    case = build_case([(9, 1), (12, 4)], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=4, seed=1)
+    other = build_case([(9, 1), (12, 4)], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=4, seed=1)
+    rows = DecodeRows()
+    first = rows.of(case.meta, 4)
+    assert rows.of(case.meta, 4) is first  # every layer of the step: the same view, not rebuilt
+    again = rows.of(other.meta, 4)  # the next step's metadata: built anew, equal here
+    assert again is not first and again.seq_lens_cpu == first.seq_lens_cpu
+    assert torch.equal(again.block_tables, as_decode_rows(other.meta, 4).block_tables)

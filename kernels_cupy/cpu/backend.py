@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-from kernels_cupy.interface import AttentionMetadata
+from kernels_cupy.interface import AttentionMetadata, DecodeRows, chunk_as_decode_rows, step_rows
 from kernels_cupy.torch_ref import TorchAttentionBackend
+
+__all__ = ["CpuAttentionBackend", "KERNEL_CACHE_DTYPES", "chunk_as_decode_rows", "step_rows"]
 
 # Cache dtypes the C++ kernels both write (write_kv) and read (paged_decode).
 KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
@@ -26,34 +28,12 @@ def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.dtype == torch.float32 and k_cache.dtype in KERNEL_CACHE_DTYPES
 
 
-def chunk_as_decode_rows(block_table: torch.Tensor, seq_len: int, qlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last ``qlen`` query rows of a sequence of ``seq_len`` tokens as that many decode rows, causal by
-    construction: row j sees the first seq_len - qlen + j + 1 positions. block_table (max_blocks,) ->
-    tables (qlen, max_blocks) int32, lens (qlen,) int32."""
-    lens = torch.arange(seq_len - qlen + 1, seq_len + 1, dtype=torch.int32)
-    return block_table[None, :].expand(qlen, -1), lens
-
-
-def step_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query row of a step as a decode row: its sequence's block table (T, nb) int32, contiguous, cut to
-    the blocks the longest context uses, and the context it sees (T,) int32, itself included."""
-    nd = meta.num_decodes
-    if nd == meta.num_seqs:  # decodes only: the step's own tables
-        return meta.block_tables[:nd], meta.seq_lens[:nd]
-    nb = -(-max(meta.seq_lens_cpu) // block_size)
-    rows = [(meta.block_tables[:nd, :nb], meta.seq_lens[:nd])] if nd else []
-    rows += [chunk_as_decode_rows(meta.block_tables[i, :nb], meta.seq_lens_cpu[i], meta.query_lens_cpu[i])
-             for i in range(nd, meta.num_seqs)]
-    return torch.cat([tables for tables, _ in rows]), torch.cat([lens for _, lens in rows])
-
-
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self, module: Any) -> None:
         self._mod = module
-        # The last step's row tables: every layer of a step attends with the same metadata object.
-        self._rows: tuple[AttentionMetadata, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._rows = DecodeRows()  # the step's row tables, built once a step
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -65,10 +45,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return None
 
     def step_rows(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """step_rows, built once a step (the layers share the metadata object)."""
-        if self._rows is None or self._rows[0] is not meta or self._rows[1] != block_size:
-            self._rows = (meta, block_size, step_rows(meta, block_size))
-        return self._rows[2]
+        """step_rows (kernels_cupy/interface.py), built once a step (the layers share the metadata object)."""
+        rows = self._rows.of(meta, block_size)
+        return rows.block_tables, rows.seq_lens
 
     def forward(
         self,
