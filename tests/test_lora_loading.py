@@ -98,3 +98,34 @@ def test_an_abort_while_loading_leaves_no_pin(hf: Any, tmp_path: Path,
     eng.add_request("next", [5, 6, 7], PARAMS, lora="attn")
     assert len(_step_all(eng)["next"][0]) == 6
     assert reg.resident == ["attn"] and reg.loads == 1 and reg.pinned == {}
+
+
+def test_a_request_waits_for_both_its_grammar_and_its_adapter(tmp_path: Path,
+                                                               held_loads: tuple[list[str], threading.Event]) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from workers import structured
+    from workers.model_files import resolve
+
+    _, go = held_loads
+    big = hf_model(vocab_size=49152, eos_token_id=2, bos_token_id=1)  # smollm2's tokenizer drives the grammar
+    make_adapter(big, tmp_path / "attn", ATTN, r=8, seed=1)
+    eng = lora_engine(big, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2").directory)
+    outputs = structured.enable(eng, tokenizer)
+    outputs.compiled(json.dumps({"type": "choice", "choices": ["warm"]}))  # the tokenizer's one-time load
+    spec = json.dumps({"type": "choice", "choices": ["yes", "no"]})  # compiles in its thread, beside the load
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured=spec)
+    eng.add_request("both", [5, 6, 7], params, lora="attn")
+    deadline = time.monotonic() + HOLD_S
+    while outputs.compiling("both") or eng.loras is None or not eng.loras.loading:  # the grammar compiles first
+        assert eng.step() == [] and time.monotonic() < deadline
+    for _ in range(20):  # grammar ready, adapter still held: the request stays parked, nothing is produced
+        assert eng.step() == []
+    assert eng.has_unfinished() and not outputs.compiling("both")
+    go.set()
+    got = _step_all(eng)
+    text = tokenizer.decode([t for t in got["both"][0] if t != 2])
+    assert text in ("yes", "no") and eng.loras is not None and eng.loras.pinned == {}

@@ -37,7 +37,6 @@ class LLMEngine:
         self.last_num_batched_tokens = 0  # tokens the last step() computed (prompt chunks + decodes)
         self.structured: structured.StructuredOutputs | None = None  # use_structured (structured.enable)
         self._parked: dict[str, Request] = {}  # waiting for a grammar's compile or an adapter's load, in arrival order
-        self._grammar_wait: set[str] = set()  # parked ids whose grammar is compiling
         self._lora_wait: dict[str, str] = {}  # parked id -> the adapter it waits for (loading beside the engine)
         self._parked_finished: list[StepOutput] = []  # parked requests aborted or refused, reported next step
         self.loras = loras  # the worker's resident LoRA adapters (None: no lora_dir)
@@ -88,9 +87,7 @@ class LLMEngine:
                 return
             loading = not ready
         if compiling or loading:
-            self._parked[request_id] = req
-            if compiling:
-                self._grammar_wait.add(request_id)
+            self._parked[request_id] = req  # its compile is the structured outputs' to track (compiling)
             if loading and lora is not None:
                 self._lora_wait[request_id] = lora
             return
@@ -128,7 +125,6 @@ class LLMEngine:
             if req is None:
                 continue
             self._lora_wait.pop(rid, None)  # its pin goes with its finished output, the load runs on
-            self._grammar_wait.discard(rid)
             if self.structured is not None:
                 self.structured.release(rid)  # its claim on the compile: one nobody wants is not started
             self._parked_finished.append(  # reported like a queued request's abort: at the next step
@@ -149,7 +145,7 @@ class LLMEngine:
             if not outputs and self._parked:
                 # Only compiles or loads pending: wait a little for one instead of spinning (bounded, so the
                 # worker still sees its inbox: new requests, aborts)
-                if self._grammar_wait and self.structured is not None:
+                if self.structured is not None and self.structured.num_waiting:
                     self.structured.wait(structured.IDLE_POLL_S)
                 elif self._lora_wait and self.loras is not None:
                     self.loras.wait(structured.IDLE_POLL_S)
@@ -169,14 +165,14 @@ class LLMEngine:
         if not self._parked:
             return out
         now = self.scheduler.clock()
-        if self._grammar_wait and self.structured is not None:
-            ready, refused = self.structured.collect()
-            self._grammar_wait.difference_update(ready)
+        if self.structured is not None and self.structured.num_waiting:
+            _, refused = self.structured.collect()  # the ready ones are no longer compiling
             for rid, code, why in refused:
                 out.append(self._refuse_parked(rid, why, code, now))
         if self._lora_wait:
             out += self._settle_loras(now)
-        for rid in [r for r in self._parked if r not in self._grammar_wait and r not in self._lora_wait]:
+        compiling = self.structured.compiling if self.structured is not None else lambda rid: False
+        for rid in [r for r in self._parked if not compiling(r) and r not in self._lora_wait]:
             self.scheduler.add_request(self._parked.pop(rid))
         return out
 
@@ -197,10 +193,8 @@ class LLMEngine:
 
     def _refuse_parked(self, rid: str, why: str, code: str, now: float) -> StepOutput:
         self._lora_wait.pop(rid, None)
-        if rid in self._grammar_wait:
-            self._grammar_wait.discard(rid)
-            if self.structured is not None:
-                self.structured.release(rid)
+        if self.structured is not None and self.structured.compiling(rid):
+            self.structured.release(rid)  # refused for its adapter: its compile is not wanted any more
         return _finished_early(self._parked.pop(rid), RequestStatus.FINISHED_IGNORED, why, now, code)
 
     def warm_up(self) -> None:

@@ -283,6 +283,10 @@ class StructuredOutputs:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def compiling(self, request_id: str) -> bool:
+        """Whether the request is parked here, its grammar not compiled yet (``collect`` has not released it)."""
+        return request_id in self._waiting
+
     def wait(self, timeout: float) -> None:
         """Block up to ``timeout`` (or the first parked request's deadline) until a pending compile or the
         tokenizer's load ends: for an engine that has nothing else to do, instead of spinning."""
