@@ -6,10 +6,12 @@ Offline, through ``workers.llm.LLM("smollm2", lora_dir=...)``: 16 prompts of ran
 the same work. Adapters are random PEFT adapters built by peft on the real base model (as tests/lora_support.py
 builds them), rank 16, targets q/k/v/o/gate/up/down, saved in ``--adapter-dtype`` (bf16 by default: PEFT saves the
 training dtype, and most fine-tunes train in bf16); stream i runs adapter ``i % 8`` (two streams each). Runs
-alternate in one process (base, lora, lora-fp32, base-module per round; best of ``--rounds``): ``lora-fp32`` runs
-the same adapters re-saved in fp32 (the same values: what a 16-bit adapter cost before it kept its width);
-``base-module`` is the base load with the C++ decode stack switched off for the run, the path every step with LoRA
-rows takes, so the ratio splits into "module path instead of the stack" and "the LoRA deltas themselves".
+alternate in one process (base, lora, lora-fp32, base-module, lora-module per round; best of ``--rounds``):
+``lora-fp32`` runs the same adapters re-saved in fp32 (the same values: what a 16-bit adapter cost before it kept
+its width);
+``base-module`` and ``lora-module`` are the base and LoRA loads with the C++ decode stack switched off for the run
+(the model's per-layer module path; LoRA steps took it always before the stack ran LoRA rows), so the ratios split
+into "module path instead of the stack" and "the LoRA deltas themselves".
 
 Swap-in: a second engine with ``max_loras = max_cpu_loras = 2``, requests for the 8 adapters in turn (each one
 must be read from disk, evicting the least recently used) and then the same adapter again (resident): the time of
@@ -41,7 +43,7 @@ from workers.model_runner import ModelRunner  # noqa: E402
 from workers.models.llama import LlamaForCausalLM  # noqa: E402
 
 MODEL = "smollm2"
-VARIANTS = ("base", "lora", "lora-fp32", "base-module")
+VARIANTS = ("base", "lora", "lora-fp32", "base-module", "lora-module")
 
 
 def cpu_line() -> str:
@@ -123,7 +125,8 @@ def throughput(lora_dir: Path, names: list[str], args: argparse.Namespace) -> di
     per_stream = [names[i % len(names)] for i in range(args.streams)]
     plan: dict[str, tuple[list[str | None], bool]] = {
         "base": ([None] * args.streams, False), "lora": (list(per_stream), False),
-        "lora-fp32": ([n.replace("a", "w") for n in per_stream], False), "base-module": ([None] * args.streams, True)}
+        "lora-fp32": ([n.replace("a", "w") for n in per_stream], False), "base-module": ([None] * args.streams, True),
+        "lora-module": (list(per_stream), True)}
     # Warm-up: the stack is built on its first decode step and the adapters are read once (both kept after).
     for v in VARIANTS:
         run_once(llm, ps[:4], plan[v][0][:4], 4, plan[v][1])
@@ -195,13 +198,15 @@ def report_throughput(tps: dict[str, list[float]], args: argparse.Namespace) -> 
     print("|---|---:|---|---:|")
     label = {"base": "base model", "lora": f"{args.adapters} adapters, rank {args.rank}, {args.adapter_dtype}",
              "lora-fp32": f"the same {args.adapters} adapters re-saved in fp32",
-             "base-module": "base model, module path forced (no C++ stack)"}
+             "base-module": "base model, module path forced (no C++ stack)",
+             "lora-module": f"{args.adapters} adapters, {args.adapter_dtype}, module path forced (no C++ stack)"}
     for v in VARIANTS:
         runs = ", ".join(f"{x:.1f}" for x in tps[v])
         print(f"| {label[v]} | {best[v]:.1f} | {runs} | {best[v] / best['base']:.2f}x |")
     print(f"\nLoRA / base: {best['lora'] / best['base']:.2f}x (goal >= 0.8x); module path / stack on the base: "
           f"{best['base-module'] / best['base']:.2f}x; LoRA / base on the module path: "
-          f"{best['lora'] / best['base-module']:.2f}x\n")
+          f"{best['lora-module'] / best['base-module']:.2f}x; LoRA in the stack / LoRA on the module path: "
+          f"{best['lora'] / best['lora-module']:.2f}x\n")
 
 
 def report_swap(swap: dict[str, float], args: argparse.Namespace) -> None:

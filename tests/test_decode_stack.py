@@ -56,12 +56,13 @@ def _record(eng: LLMEngine, use_stack: bool, prompts: list[list[int]] | None = N
         assert stack is not None
         inner = stack.forward
 
-        def counted(x: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any, tables: Any) -> torch.Tensor:
+        def counted(x: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any, tables: Any,
+                    *lora: Any) -> torch.Tensor:
             nonlocal calls
             calls += 1
             if multi is not None and x.shape[0] > meta.num_seqs:
                 multi.append(x.shape[0])
-            return inner(x, positions, kv, meta, tables)
+            return inner(x, positions, kv, meta, tables, *lora)
 
         stack.forward = counted  # type: ignore[method-assign]
     else:

@@ -1,6 +1,6 @@
 """LoRA rows among other rows: a mixed batch of base + 3 adapters gives every request exactly (tokens and every
-logprob, ==) what it gets served alone, in every base linear mode; base rows served alone run the C++ decode stack
-while a step with LoRA rows runs the module path, so this also pins that both give base rows the same bits.
+logprob, ==) what it gets served alone, in every base linear mode; base rows served alone and the mixed steps
+both run the C++ decode stack (tests/test_lora_stack.py pins the stack against the module path with LoRA rows).
 Prefix-cache isolation between adapters and the base, the resident set (LRU, pins), unknown adapters."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_mixed_batch_equals_each_served_alone(hf: Any, loras: Path, mode: str, m
         fresh = lora_engine(hf, loras, quantization=mode) if i else alone
         fresh.add_request("solo", p, PARAMS, lora=n)
         solo = drain(fresh)["solo"]
-        if n is None:  # the base model alone runs every step in the C++ stack; in the mixed batch it did not
+        if n is None:  # the base model alone runs every step in the C++ stack
             assert stack_steps[0] > 0
         stack_steps[0] = 0
         assert got[f"r{i}"][:2] == solo[:2], f"request {i} (adapter {n}) differs from itself served alone"

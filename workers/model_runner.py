@@ -3,7 +3,7 @@
 Batch layout of a step (T tokens, B sequences, S sampled rows): sequences with a single new token (decodes)
 first, then prefill chunks, all concatenated with no padding. Rows of requests with a LoRA adapter are grouped
 per adapter (``workers.lora.LoraBatch``) and get its deltas on the projections it targets; such a step runs
-eagerly on the module path (no CUDA graph, no C++ decode stack).
+eagerly (no CUDA graph), on the CPU inside the C++ decode stack where it can (workers/models/decode_stack.py).
 """
 
 from __future__ import annotations

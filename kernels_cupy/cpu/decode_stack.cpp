@@ -12,6 +12,11 @@
 // decodes and verify steps all run here. The Python side (workers/models/decode_stack.py) decides when a step
 // may: fp32 activations, a KV cache the kernels read, every projection a block or fp32 linear. It is checked
 // against the module path by tests/test_decode_stack.py.
+//
+// LoRA: a step may carry adapter groups (rows of the flat batch and the adapter they run). After each projection
+// the stack calls lora_add (lora_add.h) with exactly the arguments workers/lora/batch.py's module path passes it,
+// so a row's bits are the same on both paths (tests/test_lora_stack.py); the adapters' weights are held by
+// reference in a LoraAdapter built once per adapter load (workers/models/decode_stack.py caches it).
 #define KVGATE_ONE_TU 1
 #include "qgemm.cpp"
 #include "paged_decode.cpp"
@@ -40,6 +45,70 @@ struct Linear {
 struct Layer {
   torch::Tensor norm1, norm2;  // (H,) fp32
   Linear qkv, o, gate_up, down;
+};
+
+// The stack's projections in the order the Python side lists an adapter's weights (per layer qkv, o, gate_up, down).
+enum Proj : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kProjs = 4 };
+
+// One adapter's pairs on one projection (workers/lora/adapter.py's LoraProj): a undefined where it targets none.
+struct LoraProj {
+  torch::Tensor a;               // (n_targets * r, in) fp32, fp16 or bf16: every target's A stacked
+  std::vector<torch::Tensor> b;  // per slice (hi - lo, r)
+  std::vector<int64_t> cols;     // per slice lo, hi, rlo, rhi (lora_add's s_cols)
+};
+
+// An adapter's weights on every layer and projection, by reference (no copies): built once per adapter load so a
+// step passes only a handle per group. lora_add checks every shape against the step's x and y at each call.
+class LoraAdapter {
+ public:
+  // a, b, cols: per layer and projection (layer * 4 + Proj): the stacked A (None: not targeted), the slices' B
+  // and their (lo, hi, rlo, rhi); scale: lora_alpha / r as the module path passes it.
+  LoraAdapter(double scale, const std::vector<c10::optional<torch::Tensor>>& a,
+              const std::vector<std::vector<torch::Tensor>>& b, const std::vector<std::vector<int64_t>>& cols)
+      : scale_(scale) {
+    TORCH_CHECK(a.size() % kProjs == 0 && b.size() == a.size() && cols.size() == a.size(),
+                "an A, its B list and its columns for each of the 4 projections of every layer");
+    for (size_t i = 0; i < a.size(); ++i) {
+      LoraProj p;
+      if (a[i].has_value()) p.a = *a[i], p.b = b[i], p.cols = cols[i];
+      TORCH_CHECK(p.cols.size() == 4 * p.b.size() && (p.a.defined() || p.b.empty()),
+                  "projection ", i, ": (lo, hi, rlo, rhi) for each B, and B only with an A");
+      projs_.push_back(std::move(p));
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(projs_.size()) / kProjs; }
+  double scale() const { return scale_; }
+  const LoraProj& proj(size_t layer, Proj j) const { return projs_[layer * kProjs + j]; }
+
+ private:
+  double scale_;
+  std::vector<LoraProj> projs_;
+};
+
+// A step's adapter groups: group g's rows (n_g,) int64 of the flat batch run adapters[g].
+struct LoraStep {
+  const std::vector<std::shared_ptr<LoraAdapter>>& adapters;
+  const std::vector<torch::Tensor>& rows;
+
+  // y (T, out) += every group's delta on projection j of layer l, for x (T, in) its input: lora_add with the
+  // groups and slices in the order workers/lora/batch.py assembles them (groups not targeting j left out).
+  void add(size_t l, Proj j, const torch::Tensor& x, torch::Tensor& y) const {
+    std::vector<torch::Tensor> rs, a, b;
+    std::vector<double> scale;
+    std::vector<int64_t> s_group, s_cols;
+    for (size_t g = 0; g < adapters.size(); ++g) {
+      const LoraProj& p = adapters[g]->proj(l, j);
+      if (!p.a.defined()) continue;
+      s_group.insert(s_group.end(), p.b.size(), static_cast<int64_t>(rs.size()));
+      s_cols.insert(s_cols.end(), p.cols.begin(), p.cols.end());
+      b.insert(b.end(), p.b.begin(), p.b.end());
+      rs.push_back(rows[g]);
+      a.push_back(p.a);
+      scale.push_back(adapters[g]->scale());
+    }
+    if (!rs.empty()) lora_add(x.contiguous(), y, rs, a, scale, s_group, s_cols, b);
+  }
 };
 
 class Stack {
@@ -79,34 +148,67 @@ class Stack {
   // returns the last layer's MLP output (T, H), which the final norm adds. T rows, each attending as a decode
   // row: block_tables (T, MAXB) int32 its sequence's table, seq_lens (T,) int32 the context it sees (itself included),
   // slots (T,) int64, positions (T,) int64; k_caches/v_caches per layer (NB, BS, Hkv, D) fp32; cos/sin the
-  // (max_len, D) rope tables.
+  // (max_len, D) rope tables. lora_adapters / lora_rows: the step's adapter groups (empty: no LoRA rows).
   torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches, const torch::Tensor& block_tables,
                         const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& positions,
-                        const torch::Tensor& cos, const torch::Tensor& sin, double scale) const {
+                        const torch::Tensor& cos, const torch::Tensor& sin, double scale,
+                        const std::vector<std::shared_ptr<LoraAdapter>>& lora_adapters,
+                        const std::vector<torch::Tensor>& lora_rows) const {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: (T, H) fp32");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one K/V cache a layer");
     const int64_t t = x.size(0);
     TORCH_CHECK(block_tables.size(0) == t && seq_lens.numel() == t && slots.numel() == t && positions.numel() == t,
                 "one table row, length, slot and position per row of x");
-    const int64_t qw = hq_ * d_, kw = hkv_ * d_;
+    TORCH_CHECK(lora_adapters.size() == lora_rows.size(), "one rows tensor per LoRA group");
+    for (const auto& ad : lora_adapters)
+      TORCH_CHECK(ad && ad->num_layers() == num_layers(), "a LoRA adapter must cover the stack's layers");
+    const LoraStep lora{lora_adapters, lora_rows};
     torch::Tensor delta;
     for (size_t l = 0; l < layers_.size(); ++l) {
-      const Layer& ly = layers_[l];
       const c10::optional<torch::Tensor> prev = delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt;
-      torch::Tensor qkv = ly.qkv(rms_norm(x, prev, ly.norm1, eps_));  // (T, (Hq + 2 Hkv) D)
-      rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
-      write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}),
-               k_caches[l], v_caches[l], slots);
-      torch::Tensor q = qkv.narrow(1, 0, qw).reshape({t, hq_, d_}).contiguous();  // (T, Hq, D)
-      torch::Tensor attn = paged_decode(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
-      torch::Tensor a = ly.o(attn.view({t, qw}));  // (T, H)
-      delta = ly.down(silu_mul(ly.gate_up(rms_norm(x, a, ly.norm2, eps_))));  // x += a inside the norm
+      torch::Tensor a = attention(l, x, prev, k_caches[l], v_caches[l], block_tables, seq_lens, slots, positions,
+                                  cos, sin, scale, lora);  // (T, H)
+      delta = mlp(l, x, a, lora);  // x += a inside the norm
     }
     return delta;
   }
 
  private:
+  // Layer l's attention block on x + prev (the previous MLP output, added inside the norm): o_proj's output (T, H).
+  // The projections' LoRA deltas go in where the module path's project() adds them: qkv's before the rope.
+  torch::Tensor attention(size_t l, torch::Tensor& x, const c10::optional<torch::Tensor>& prev,
+                          const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& positions,
+                          const torch::Tensor& cos, const torch::Tensor& sin, double scale,
+                          const LoraStep& lora) const {
+    const Layer& ly = layers_[l];
+    const int64_t t = x.size(0), qw = hq_ * d_, kw = hkv_ * d_;
+    torch::Tensor h = rms_norm(x, prev, ly.norm1, eps_);  // (T, H)
+    torch::Tensor qkv = ly.qkv(h);                        // (T, (Hq + 2 Hkv) D)
+    lora.add(l, kQkv, h, qkv);
+    rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
+    write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}), k_cache,
+             v_cache, slots);
+    torch::Tensor q = qkv.narrow(1, 0, qw).reshape({t, hq_, d_}).contiguous();  // (T, Hq, D)
+    torch::Tensor attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({t, qw});  // (T, Hq D)
+    torch::Tensor a = ly.o(attn);  // (T, H)
+    lora.add(l, kO, attn, a);
+    return a;
+  }
+
+  // Layer l's MLP block on x += a (inside the norm, as the module path's rms_norm does): down_proj's output (T, H).
+  torch::Tensor mlp(size_t l, torch::Tensor& x, const torch::Tensor& a, const LoraStep& lora) const {
+    const Layer& ly = layers_[l];
+    torch::Tensor h = rms_norm(x, a, ly.norm2, eps_);  // (T, H)
+    torch::Tensor gate_up = ly.gate_up(h);            // (T, 2 I)
+    lora.add(l, kGateUp, h, gate_up);
+    torch::Tensor act = silu_mul(gate_up);  // (T, I)
+    torch::Tensor out = ly.down(act);       // (T, H)
+    lora.add(l, kDown, act, out);
+    return out;
+  }
+
   int64_t hq_, hkv_, d_;
   double eps_;
   std::vector<Layer> layers_;
@@ -115,11 +217,20 @@ class Stack {
 }  // namespace decode_stack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<decode_stack::LoraAdapter, std::shared_ptr<decode_stack::LoraAdapter>>(m, "LoraAdapter")
+      .def(pybind11::init<double, const std::vector<c10::optional<torch::Tensor>>&,
+                          const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&>())
+      .def("num_layers", &decode_stack::LoraAdapter::num_layers);
   pybind11::class_<decode_stack::Stack>(m, "Stack")
       .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
                           const std::vector<int64_t>&, int64_t, int64_t, int64_t, double>())
       .def("num_layers", &decode_stack::Stack::num_layers)
       .def("forward", &decode_stack::Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "the decoder layers of a step; returns the last MLP output");
+           "the decoder layers of a step (with its LoRA groups); returns the last MLP output", pybind11::arg("x"),
+           pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("block_tables"),
+           pybind11::arg("seq_lens"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("scale"),
+           pybind11::arg("lora_adapters") = std::vector<std::shared_ptr<decode_stack::LoraAdapter>>(),
+           pybind11::arg("lora_rows") = std::vector<torch::Tensor>());
   m.def("isa", &isa, "the quantized GEMM's instruction-set path chosen at run time");
 }

@@ -11,7 +11,9 @@ batch-invariant, like the base linears there.
 
 On the CPU the whole loop runs in C++ (``lora_add``, kernels_cupy/cpu/lora_add.h: one call a projection, the
 groups on the threads, the same arithmetic bit for bit: tests/test_lora_batch.py); the Python loop stays for
-CUDA without CuPy and for a build without the kernel. Steps with LoRA rows do not use the C++ decode stack.
+CUDA without CuPy and for a build without the kernel. Where the C++ decode stack runs the step, it calls the same
+``lora_add`` after each of its projections with the groups ``stack_groups`` hands it (workers/models/decode_stack.py),
+so a row's bits are the same on both paths (tests/test_lora_stack.py); ``add`` is then not called at all.
 
 On CUDA (with CuPy) two CuPy RawKernels a projection cover every group (kernels_cupy/lora_cuda.py, csrc/lora.cu):
 a warp per shrink output and a thread per expand output, each one fixed-order fp32 chain whatever the batch, so a
@@ -65,6 +67,11 @@ class LoraBatch:
         used = [(name, rows) for name, rows in row_adapters.items() if rows]
         groups = [(adapters[name], torch.tensor(rows, dtype=torch.int64, device=device)) for name, rows in used]
         return LoraBatch(groups, kernel, [rows for _, rows in used]) if groups else None
+
+    def stack_groups(self) -> Sequence[tuple[LoraAdapter, torch.Tensor]] | None:
+        """(adapter, rows (n,) int64) per group for the C++ decode stack, or None where ``add`` would not run
+        ``lora_add`` (no CPU kernel: the Python loop's F.linear), whose arithmetic the stack reproduces."""
+        return self.groups if self._fused else None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (n, in) @ (out, in)^T -> (n, out)
         if self._kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32:

@@ -9,10 +9,17 @@ speculative verify chunks of any length, over a cached prefix or not: ``kernels_
 fp32 activations, fp32/bf16/int8 KV caches, the CPU attention kernel, and projections that are block linears
 or fixed-order fp32 linears (``DenseLinear``): the same kernels the module path calls, so both give the same bits
 for any number of rows.
+
+LoRA rows run here too: a step's adapter groups (``workers.lora.LoraBatch``) reach the C++ side as one handle per
+adapter (its weights by reference, built once per adapter load and cached here while the adapter lives) and the
+group's rows; after each projection the stack calls ``lora_add`` with the arguments the module path passes it, so a
+row's bits do not depend on the path (tests/test_lora_stack.py).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +40,33 @@ def _linear_spec(m: nn.Module) -> tuple[int, int, list[torch.Tensor | None]] | N
         bias = None if m.bias is None else m.bias.detach()
         return 0, 16, [None, None, None, None, bias, m.weight.detach()]
     return None
+
+
+# decode_stack.cpp's Proj order: an adapter's weights are listed per layer in this order.
+STACK_PROJS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The step's LoRA groups as the C++ forward takes them: one LoraAdapter handle and one rows tensor (n,) int64 each.
+StackLora = tuple[list[Any], list[torch.Tensor]]
+NO_LORA: StackLora = ([], [])
+# An adapter's weights as decode_stack.cpp's LoraAdapter takes them: per layer and projection its stacked A (None:
+# not targeted), its slices' B and their (lo, hi, rlo, rhi) columns.
+AdapterWeights = tuple[list[torch.Tensor | None], list[list[torch.Tensor]], list[list[int]]]
+
+
+def _adapter_weights(adapter: Any) -> AdapterWeights | None:
+    """A ``workers.lora.LoraAdapter``'s stacked A, slice B's and slice columns per layer and projection (in
+    STACK_PROJS order), or None where a weight is not on the CPU (the C++ side reads host memory only)."""
+    a: list[torch.Tensor | None] = []
+    b: list[list[torch.Tensor]] = []
+    cols: list[list[int]] = []
+    for layer in adapter.layers:
+        for name in STACK_PROJS:
+            p = layer.get(name)
+            a.append(None if p is None else p.a)
+            b.append([] if p is None else p.bs)
+            cols.append([] if p is None else p.cols)
+    if any(w.device.type != "cpu" for w in a if w is not None) or any(w.device.type != "cpu" for bs in b for w in bs):
+        return None
+    return a, b, cols
 
 
 def _parts(layer: Any) -> tuple[list[torch.Tensor], list[nn.Module]]:
@@ -60,7 +94,40 @@ class DecodeStack:
                 act_bits.append(spec[1])
                 tensors += spec[2]
         self._stack = kernel.Stack(tensors, bits, act_bits, hq, hkv, head_dim, eps)
+        self._kernel = kernel
+        self._num_layers = len(layers)
         self.scale = head_dim ** -0.5
+        # id(adapter) -> (a weak reference to it, its C++ LoraAdapter or None: the stack cannot run it). The entry
+        # goes when the adapter does (the registry evicted it), so the handle never keeps its weights alive.
+        self._adapters: dict[int, tuple[weakref.ref[Any], Any | None]] = {}
+
+    def _handle(self, adapter: Any) -> Any | None:
+        """The adapter's C++ handle, built at its first step here and kept while the adapter lives."""
+        key = id(adapter)
+        entry = self._adapters.get(key)
+        if entry is not None and entry[0]() is adapter:
+            return entry[1]
+        weights = _adapter_weights(adapter) if len(adapter.layers) == self._num_layers else None
+        handle = None if weights is None else self._kernel.LoraAdapter(float(adapter.scale), *weights)
+        cache = self._adapters
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if cache.get(key, (None, None))[0] is ref:
+                del cache[key]
+
+        cache[key] = (weakref.ref(adapter, forget), handle)
+        return handle
+
+    def lora(self, groups: Sequence[tuple[Any, torch.Tensor]]) -> StackLora | None:
+        """The step's LoRA groups ((adapter, rows (n,) int64) each, ``LoraBatch.stack_groups``) as the C++ forward
+        takes them, or None where some adapter cannot run here (the step then takes the module path)."""
+        handles: list[Any] = []
+        for adapter, _ in groups:
+            handle = self._handle(adapter)
+            if handle is None:
+                return None
+            handles.append(handle)
+        return handles, [rows for _, rows in groups]
 
     @staticmethod
     def build(kernel: Any | None, layers: nn.ModuleList, hq: int, hkv: int, head_dim: int,
@@ -88,11 +155,13 @@ class DecodeStack:
         return all(k.dtype in KERNEL_CACHE_DTYPES and v.dtype == k.dtype for k, v in kv_caches)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H)."""
+                meta: AttentionMetadata, tables: tuple[torch.Tensor, torch.Tensor],
+                lora: StackLora = NO_LORA) -> torch.Tensor:
+        """x (T, H): the residual stream, updated in place; returns the last layer's MLP output (T, H). ``lora``:
+        the step's adapter groups from ``self.lora`` (none by default)."""
         # Each query row as a decode row, exactly the rows the CPU backend attends: (T, nb) tables, (T,) lengths.
         block_tables, seq_lens = step_rows(meta, kv_caches[0][0].shape[1])
         out: torch.Tensor = self._stack.forward(
             x, [k for k, _ in kv_caches], [v for _, v in kv_caches], block_tables, seq_lens,
-            meta.slot_mapping, positions, tables[0], tables[1], self.scale)
+            meta.slot_mapping, positions, tables[0], tables[1], self.scale, lora[0], lora[1])
         return out

@@ -8,6 +8,7 @@ backend interface, reading and writing the paged KV cache. Logits are computed o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels_cupy.interface import AttentionBackend, AttentionMetadata
-from workers.models.decode_stack import DecodeStack
+from workers.models.decode_stack import NO_LORA, DecodeStack, StackLora
 from workers.models.fused import REFERENCE, FusedOps, rms_norm_ref
 
 
@@ -107,6 +108,10 @@ class RowDeltas(Protocol):
     """A step's per-row additions to projection outputs (``workers.lora.LoraBatch``: LoRA adapters' rows)."""
 
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def stack_groups(self) -> Sequence[tuple[Any, torch.Tensor]] | None:
+        """(adapter, rows (n,) int64) per group for the C++ decode stack, or None where it cannot add them."""
+        ...
 
 
 @dataclass
@@ -224,6 +229,18 @@ class LlamaForCausalLM(nn.Module):
                                             c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
         return self._stack if isinstance(self._stack, DecodeStack) else None
 
+    def _stack_step(self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    lora: RowDeltas | None) -> tuple[DecodeStack, StackLora] | None:
+        """The C++ stack and the step's LoRA groups as it takes them, where it runs this step as the module path
+        would (its LoRA rows included: it adds their deltas with the module path's kernel), else None."""
+        groups = None if lora is None else lora.stack_groups()
+        stack = self.decode_stack() if lora is None or groups is not None else None
+        if stack is None or not stack.runs(x, meta, backend, kv_caches):
+            return None
+        args = NO_LORA if groups is None else stack.lora(groups)
+        return None if args is None else (stack, args)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,) int64
@@ -238,11 +255,11 @@ class LlamaForCausalLM(nn.Module):
         tables = (self.rotary.cos, self.rotary.sin)
         rows = None if self.ops.usable(x) else self.rotary(positions, x.dtype)
         delta: torch.Tensor | None = None
-        # A step with LoRA rows takes the module path (the C++ stack has no LoRA yet); its base rows get the same
-        # bits either way: the stack runs the module path's kernels in its order (tests/test_lora_batch.py).
-        stack = None if lora is not None else self.decode_stack()
-        if stack is not None and rows is None and stack.runs(x, meta, backend, kv_caches):
-            delta = stack.forward(x, positions, kv_caches, meta, tables)
+        # Steps with LoRA rows run in the C++ stack too; either path gives every row the same bits, since the stack
+        # runs the module path's kernels, lora_add's included, in its order (tests/test_lora_stack.py).
+        stacked = None if rows is not None else self._stack_step(x, meta, backend, kv_caches, lora)
+        if stacked is not None:
+            delta = stacked[0].forward(x, positions, kv_caches, meta, tables, stacked[1])
         else:
             step = StepCtx(self.ops, positions, tables, rows, lora=lora)
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
