@@ -284,13 +284,17 @@ def test_the_avx512_body_gives_the_avx2_bodys_bits(backend, hq: int, hkv: int, d
     threads. A CPU without AVX-512 runs the AVX2 body only and has nothing to compare."""
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(hq * 1000 + d)
-    n, bs = 9, 16
+    n, bs = 30, 16
     nb = n * 13 + 1
     kc, vc = _cache(nb, bs, hkv, d, kv_dtype, g), _cache(nb, bs, hkv, d, kv_dtype, g)
     tables = torch.randperm(nb - 1, generator=g).add(1).reshape(n, -1).tolist()
     lens = [int(x) for x in torch.randint(1, 200, (n,), generator=g)]
     tables[4:7] = [tables[6]] * 3  # rows 4..6: one prefill chunk's rows (grouped, shared K/V loads)
     lens[4:7] = [150, 151, 157]
+    # rows 9..29: a longer chunk (grouped rows for every head count, G = 1 included), its rows ending at every
+    # position of a block of 16
+    tables[9:30] = [tables[29]] * 21
+    lens[9:30] = list(range(163, 184))
     q = torch.randn(n, hq, d, generator=g)
     out = {}
     try:

@@ -108,3 +108,30 @@ def test_seeded_request_is_independent_of_its_batch() -> None:
     other.add_request("target", prompts[0], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95,
                                                            seed=99, ignore_eos=True))
     assert run_all(other)["target"] != solo
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (32, 49152), (5, 49157)])
+def test_argmax_rows_is_torchs_argmax(shape: tuple[int, int]) -> None:
+    """The CPU kernel greedy rows take (fused_ops.cpp, argmax_rows) gives torch.argmax's indices: random rows of
+    any width (tails past the 8-lane loop included), and the edge cases: ties (the first wins), a row of -inf,
+    NaN (the first NaN wins, as torch ranks NaN above everything), +0 against -0 (equal: the first), +inf."""
+    from kernels_cupy.cpu.fused import load_fused
+    from workers.sampler import argmax_rows
+
+    if load_fused() is None:
+        pytest.skip("no C++ toolchain: argmax_rows is torch.argmax itself")
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g)
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+    e = torch.randn(7, 1000, generator=g)
+    e[0] = float("-inf")
+    e[1, 5] = e[1, 900] = float("nan")
+    e[2, 3] = e[2, 600] = 100.0
+    e[3] = 0.0
+    e[3, 0] = e[3, 10] = -0.0
+    e[4, 999] = float("nan")
+    e[5] = float("inf")
+    e[6, 997] = float("nan")  # in the scalar tail of a row whose width is not a multiple of 8
+    e6 = e[:, :998].contiguous()
+    for t in (e, e6, e[:, 1:]):  # e[:, 1:]: rows of a stride other than their width
+        assert torch.equal(argmax_rows(t), torch.argmax(t, dim=-1)), t

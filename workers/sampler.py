@@ -14,6 +14,20 @@ from workers.core.outputs import SampledToken, TokenLogprobs
 from workers.core.request import Request
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # (S, V) -> (S,) int64
+    """torch.argmax(logits, dim=-1), through the CPU kernel (fused_ops.cpp: the same indices, NaN first, then the
+    first maximum) for fp32 CPU rows: torch's reduction took ~3% of a 32-row decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 \
+            and logits.stride(1) == 1:
+        from kernels_cupy.cpu.fused import load_fused
+
+        mod = load_fused()
+        if mod is not None:
+            out: torch.Tensor = mod.argmax_rows(logits)
+            return out
+    return torch.argmax(logits, dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -30,7 +44,7 @@ class Sampler:
         want_lp = [r.params.logprobs for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
         logits = self.process(logits, reqs)
-        tokens = torch.argmax(logits, dim=-1)  # (S,) greedy for every row, random rows overwritten
+        tokens = argmax_rows(logits)  # (S,) greedy for every row, random rows overwritten
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
             tokens[rand_rows] = self._sample_random(logits[rand_rows], [reqs[i] for i in rand_rows])
