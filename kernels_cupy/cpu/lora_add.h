@@ -1,17 +1,167 @@
 // A step's LoRA deltas on one projection in one call (workers/lora/batch.py's loop, moved here): for each adapter
 // group g (its rows of the flat batch) and each slice s of the projection g's adapter targets,
 //   y[rows_g, lo_s:hi_s] += ((x[rows_g] A_g^T)[:, rlo_s:rhi_s] B_s^T) * scale_g
-// with the Python loop's arithmetic exactly: both products through fgemm's fixed-order core (flinear's numerics,
-// whatever the rows or the split), the scale as one fp32 multiply, the add one fp32 rounding. Groups run on the
-// threads side by side (a row is in one group and a group's slices write disjoint columns: no two writers of an
-// element), so the Python loop's ~10 small calls a group and projection (13,200 a step at 8 adapters) become one.
+// with the Python loop's arithmetic exactly: both products in fgemm's fixed order (flinear's numerics, whatever
+// the rows or the split), the scale as one fp32 multiply, the add one fp32 rounding.
+//
+// Threads: the work is cut into items, each a group's run of rows (a whole group where it is small, chunks of
+// rows where it is large: a 512-token prefill chunk of one adapter is one group), and the threads take items
+// as they come. An item does its rows' shrink and then every slice's expand and add, in slice order. fgemm's
+// result for an element does not depend on the rows computed beside it, so the cut changes no bit; a row is in
+// one item (checked: where a row index repeats, everything runs on one thread in group order, the old order),
+// so no two writers ever touch one element of y.
+//
+// The expand (K = the rank, 4-64) through fgemm spends most of its time in the horizontal sum of each output's
+// 8 lanes. Where K <= kLanesMaxK, the AVX2 path instead puts 8 outputs of a row in the 8 lanes of a vector:
+// B's columns are widened and transposed into a small panel (lane k of fgemm's accumulators for 8 outputs is
+// then one vector), and the lanes' tree ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) is done vertically:
+// the same fmas from +0, the same +0 padding past K, the same adds in the same order, per element: fgemm's bits
+// (tests/test_lora_add_kernel.py). Measured faster than fgemm from 1 row a group up (~1.9x at 512 rows). For a
+// larger K, and on the scalar path (KVGATE_FGEMM_ISA=scalar), fgemm itself.
 // Included by qgemm.cpp after fgemm.h.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
 #include <vector>
+
+namespace lora_add_impl {
+
+static constexpr int64_t kLanesMaxK = 64;     // the panel (kLanesMaxK x kPanel fp32) stays in L1
+static constexpr int64_t kPanel = 96;         // output columns a panel holds (a multiple of 24)
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// r[j] <- lane j of every r[c]: an 8 x 8 transpose.
+static inline __attribute__((always_inline)) void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// wt (kp, kPanel) <- columns [c0, c0 + w) of b (cols, K) transposed, widened exactly (fgemm's loads); +0 for
+// k >= K (fgemm's step-3 padding) and for the columns past w up to the next multiple of 8.
+template <typename W>
+static void pack(const W* b, int64_t K, int64_t kp, int64_t c0, int64_t w, float* wt) {
+  for (int64_t cb = 0; cb < w; cb += 8)
+    for (int64_t k0 = 0; k0 < kp; k0 += 8) {
+      const bool tail = k0 + 8 > K;
+      const __m256i mask = fgemm::avx2::tail_mask(K - k0);
+      __m256 r[8];
+      for (int c = 0; c < 8; ++c) {
+        const W* p = b + (c0 + cb + c) * K + k0;
+        r[c] = cb + c >= w ? _mm256_setzero_ps()
+               : tail      ? fgemm::avx2::load8<true>(p, mask)
+                           : fgemm::avx2::load8<false>(p, mask);
+      }
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (k0 + j) * kPanel + cb, r[j]);
+    }
+}
+
+// Lane j of fgemm's accumulators for the 8V outputs of columns wt[:, 0:8V] and the row h (kp values, +0 past
+// K): a = +0, then a = fma(h[k0 + j], w[k0 + j], a) for k0 = 0, 8, ... (past K: fma(+0, +0, a), as fgemm).
+template <int V>
+static inline __attribute__((always_inline)) void lane(const float* h, const float* wt, int64_t kp, int j,
+                                                        __m256 (&a)[V]) {
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < kp; k0 += 8) {
+    const __m256 xv = _mm256_broadcast_ss(h + k0 + j);
+    const float* w = wt + (k0 + j) * kPanel;
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * v), a[v]);
+  }
+}
+
+// s[v] = fgemm's sum for the 8 outputs of columns 8v..8v+7: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+template <int V>
+static inline __attribute__((always_inline)) void sums(const float* h, const float* wt, int64_t kp, __m256 (&s)[V]) {
+  __m256 p[V], q[V], lo[V], hi[V];
+  lane<V>(h, wt, kp, 0, p);
+  lane<V>(h, wt, kp, 4, q);
+  for (int v = 0; v < V; ++v) lo[v] = _mm256_add_ps(p[v], q[v]);                    // a0 + a4
+  lane<V>(h, wt, kp, 2, p);
+  lane<V>(h, wt, kp, 6, q);
+  for (int v = 0; v < V; ++v) lo[v] = _mm256_add_ps(lo[v], _mm256_add_ps(p[v], q[v]));  // + (a2 + a6)
+  lane<V>(h, wt, kp, 1, p);
+  lane<V>(h, wt, kp, 5, q);
+  for (int v = 0; v < V; ++v) hi[v] = _mm256_add_ps(p[v], q[v]);                    // a1 + a5
+  lane<V>(h, wt, kp, 3, p);
+  lane<V>(h, wt, kp, 7, q);
+  for (int v = 0; v < V; ++v) hi[v] = _mm256_add_ps(hi[v], _mm256_add_ps(p[v], q[v]));  // + (a3 + a7)
+  for (int v = 0; v < V; ++v) s[v] = _mm256_add_ps(lo[v], hi[v]);
+}
+
+// y[r[i], lo:lo + cols] += (hs[i] b^T) * sc for i < n: hs (n, kp) with +0 past K, b (cols, K). wt: kp * kPanel
+// floats of scratch.
+template <typename W>
+static void expand_add(int64_t n, const float* hs, int64_t kp, const W* b, int64_t K, int64_t cols, float* yp,
+                       const int64_t* r, int64_t N, int64_t lo, float sc, float* wt) {
+  const __m256 scv = _mm256_set1_ps(sc);
+  for (int64_t c0 = 0; c0 < cols; c0 += kPanel) {
+    const int64_t w = std::min(kPanel, cols - c0), full = w / 8;
+    pack<W>(b, K, kp, c0, w, wt);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* h = hs + i * kp;
+      float* y = yp + r[i] * N + lo + c0;
+      int64_t v = 0;
+      for (; v + 3 <= full; v += 3) {
+        __m256 s[3];
+        sums<3>(h, wt + 8 * v, kp, s);
+        for (int q = 0; q < 3; ++q)
+          _mm256_storeu_ps(y + 8 * (v + q), _mm256_add_ps(_mm256_loadu_ps(y + 8 * (v + q)), _mm256_mul_ps(s[q], scv)));
+      }
+      for (; v < full; ++v) {
+        __m256 s[1];
+        sums<1>(h, wt + 8 * v, kp, s);
+        _mm256_storeu_ps(y + 8 * v, _mm256_add_ps(_mm256_loadu_ps(y + 8 * v), _mm256_mul_ps(s[0], scv)));
+      }
+      if (w % 8) {  // the last < 8 columns: the same sums, added one by one (nothing past the slice is touched)
+        __m256 s[1];
+        sums<1>(h, wt + 8 * full, kp, s);
+        alignas(32) float t[8];
+        _mm256_store_ps(t, _mm256_mul_ps(s[0], scv));
+        for (int64_t j = 0; j < w % 8; ++j) y[8 * full + j] += t[j];
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+// One item: rows [i0, i1) of group g.
+struct Item {
+  int64_t g, i0, i1;
+};
+
+// A thread's scratch, reused across its items.
+struct Scratch {
+  std::vector<float> xs, h, hs, d;
+  alignas(32) float wt[kLanesMaxK * kPanel];
+};
+
+}  // namespace lora_add_impl
 
 // x (T, in), y (T, out): fp32, contiguous. Per group: rows (n,) int64, a (n_t * r, in), scale. Per slice (in group
 // order): its group, columns [lo, hi) of y, columns [rlo, rhi) of the shrink, b (hi - lo, rhi - rlo). a and b are
@@ -20,6 +170,7 @@
                                       std::vector<torch::Tensor> a, std::vector<double> scale,
                                       std::vector<int64_t> s_group, std::vector<int64_t> s_cols,
                                       std::vector<torch::Tensor> b) {
+  using namespace lora_add_impl;
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_contiguous() && y.is_contiguous() &&
                   x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32,
               "x (T, in) and y (T, out): contiguous fp32 with one row each");
@@ -28,12 +179,18 @@
   TORCH_CHECK(static_cast<int64_t>(s_group.size()) == S && static_cast<int64_t>(s_cols.size()) == 4 * S,
               "a group and (lo, hi, rlo, rhi) a slice");
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1);
+  std::vector<uint8_t> seen(T, 0);
+  bool repeats = false;  // a row index in two places: the items could not run side by side
   for (int64_t g = 0; g < G; ++g) {
     TORCH_CHECK(rows[g].scalar_type() == torch::kInt64 && rows[g].is_contiguous() && a[g].is_contiguous() &&
                     fgemm_wtype(a[g].scalar_type()).has_value() && a[g].dim() == 2 && a[g].size(1) == K,
                 "group ", g, ": rows int64, a (R, in) contiguous fp32, fp16 or bf16");
     const int64_t* r = rows[g].data_ptr<int64_t>();
-    for (int64_t i = 0; i < rows[g].numel(); ++i) TORCH_CHECK(0 <= r[i] && r[i] < T, "row out of range");
+    for (int64_t i = 0; i < rows[g].numel(); ++i) {
+      TORCH_CHECK(0 <= r[i] && r[i] < T, "row out of range");
+      repeats |= seen[r[i]] != 0;
+      seen[r[i]] = 1;
+    }
   }
   for (int64_t s = 0; s < S; ++s) {
     const int64_t g = s_group[s], lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2],
@@ -48,29 +205,79 @@
   std::vector<int64_t> first(G + 1, 0);  // slices of group g: [first[g], first[g + 1]) (they come in group order)
   for (int64_t s = 0; s < S; ++s) ++first[s_group[s] + 1];
   for (int64_t g = 0; g < G; ++g) first[g + 1] += first[g];
+
+  // The items. A group's work a row: its shrink (R K multiply-adds) and its slices' expands. A group is cut
+  // into chunks (a multiple of 4 rows, fgemm's row block) of about a quarter of a thread's share, none under
+  // ~64k multiply-adds (below that a thread's start costs more than it saves).
+  const int64_t threads = repeats ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  std::vector<int64_t> per_row(G, 0);
+  double total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    if (rows[g].numel() == 0 || first[g] == first[g + 1]) continue;
+    per_row[g] = a[g].size(0) * K;
+    for (int64_t s = first[g]; s < first[g + 1]; ++s) per_row[g] += (s_cols[4 * s + 1] - s_cols[4 * s]) * b[s].size(1);
+    total += static_cast<double>(per_row[g]) * rows[g].numel();
+  }
+  const double target = std::max(total / (4.0 * threads), 65536.0);
+  std::vector<Item> items;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t n = rows[g].numel();
+    if (per_row[g] == 0) continue;
+    int64_t chunk = n;
+    if (threads > 1) {
+      const int64_t parts = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(per_row[g]) * n / target));
+      chunk = std::max<int64_t>(4, (((n + parts - 1) / parts) + 3) / 4 * 4);
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) items.push_back(Item{g, i0, std::min(n, i0 + chunk)});
+  }
+  if (items.empty()) return;
+
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> xs, h, hs, d;  // a group's rows of x (n, in), its shrink (n, R), a slice of it, a delta
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n = rows[g].numel(), R = a[g].size(0);
-      const int64_t* r = rows[g].data_ptr<int64_t>();
-      if (n == 0 || first[g] == first[g + 1]) continue;
-      xs.resize(n * K), h.resize(n * R);
-      for (int64_t i = 0; i < n; ++i) std::copy_n(xp + r[i] * K, K, xs.data() + i * K);  // (n, in): exact copies
-      fgemm::gemm(fgemm_args(n, R, K, xs.data(), a[g], nullptr, h.data()), 0, R);
-      const float sc = static_cast<float>(scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
-      for (int64_t s = first[g]; s < first[g + 1]; ++s) {
-        const int64_t lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2], rr = s_cols[4 * s + 3] - rlo;
-        hs.resize(n * rr), d.resize(n * (hi - lo));
-        for (int64_t i = 0; i < n; ++i) std::copy_n(h.data() + i * R + rlo, rr, hs.data() + i * rr);
-        fgemm::gemm(fgemm_args(n, hi - lo, rr, hs.data(), b[s], nullptr, d.data()), 0, hi - lo);
-        for (int64_t i = 0; i < n; ++i) {
-          float* yr = yp + r[i] * N + lo;
-          const float* dr = d.data() + i * (hi - lo);
-          for (int64_t j = 0; j < hi - lo; ++j) yr[j] += dr[j] * sc;
-        }
+  const bool lanes = fgemm::isa() == fgemm::kAvx2;
+  auto run = [&](const Item& it, Scratch& sc) {
+    const int64_t g = it.g, n = it.i1 - it.i0, R = a[g].size(0);
+    const int64_t* r = rows[g].data_ptr<int64_t>() + it.i0;
+    sc.xs.resize(n * K), sc.h.resize(n * R);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(xp + r[i] * K, K, sc.xs.data() + i * K);  // (n, in): exact copies
+    fgemm::gemm(fgemm_args(n, R, K, sc.xs.data(), a[g], nullptr, sc.h.data()), 0, R);
+    const float scl = static_cast<float>(scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
+    for (int64_t s = first[g]; s < first[g + 1]; ++s) {
+      const int64_t lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2], rr = s_cols[4 * s + 3] - rlo;
+      if (lanes && rr <= kLanesMaxK) {  // measured: ~5% faster than fgemm even at 2 rows a group
+        const int64_t kp = (rr + 7) / 8 * 8;
+        sc.hs.assign(n * kp, 0.f);
+        for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * kp);
+        const fgemm::WType wt = *fgemm_wtype(b[s].scalar_type());
+        const void* bp = b[s].data_ptr();
+        if (wt == fgemm::WType::kF16)
+          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const fgemm::F16*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
+        else if (wt == fgemm::WType::kBF16)
+          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const fgemm::BF16*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
+        else
+          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const float*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
+        continue;
+      }
+      sc.hs.resize(n * rr), sc.d.resize(n * (hi - lo));
+      for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * rr);
+      fgemm::gemm(fgemm_args(n, hi - lo, rr, sc.hs.data(), b[s], nullptr, sc.d.data()), 0, hi - lo);
+      for (int64_t i = 0; i < n; ++i) {
+        float* yr = yp + r[i] * N + lo;
+        const float* dr = sc.d.data() + i * (hi - lo);
+        for (int64_t j = 0; j < hi - lo; ++j) yr[j] += dr[j] * scl;
       }
     }
+  };
+  const int64_t I = static_cast<int64_t>(items.size());
+  if (threads == 1 || I == 1) {
+    auto sc = std::make_unique<Scratch>();
+    for (const Item& it : items) run(it, *sc);
+    return;
+  }
+  std::atomic<int64_t> next{0};  // the threads take the items in turn: which thread runs one changes no bit
+  at::parallel_for(0, std::min(threads, I), 1, [&](int64_t w0, int64_t w1) {
+    auto sc = std::make_unique<Scratch>();
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t i = next.fetch_add(1); i < I; i = next.fetch_add(1)) run(items[i], *sc);
   });
 }
