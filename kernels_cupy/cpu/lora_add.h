@@ -161,6 +161,134 @@ struct Scratch {
   alignas(32) float wt[kLanesMaxK * kPanel];
 };
 
+// One lora_add call, its arguments checked: x (T, K), y (T, N), per group rows, a and scale, per slice its
+// group's index, (lo, hi, rlo, rhi) and b; first[g] .. first[g + 1] the slices of group g.
+struct Call {
+  const float* x;
+  float* y;
+  int64_t T, K, N;
+  const std::vector<torch::Tensor>& rows;
+  const std::vector<torch::Tensor>& a;
+  const std::vector<double>& scale;
+  const std::vector<int64_t>& s_cols;
+  const std::vector<torch::Tensor>& b;
+  std::vector<int64_t> first;
+  bool repeats;  // a row index in two places: the items could not run side by side
+};
+
+// Checks the arguments (bad input raises, nothing is written) and fills c.first and c.repeats.
+static void check_call(Call& c, const std::vector<int64_t>& s_group) {
+  const int64_t G = static_cast<int64_t>(c.rows.size()), S = static_cast<int64_t>(c.b.size());
+  TORCH_CHECK(static_cast<int64_t>(c.a.size()) == G && static_cast<int64_t>(c.scale.size()) == G,
+              "one a, scale a group");
+  TORCH_CHECK(static_cast<int64_t>(s_group.size()) == S && static_cast<int64_t>(c.s_cols.size()) == 4 * S,
+              "a group and (lo, hi, rlo, rhi) a slice");
+  std::vector<uint8_t> seen(c.T, 0);
+  c.repeats = false;
+  for (int64_t g = 0; g < G; ++g) {
+    const torch::Tensor &rg = c.rows[g], &ag = c.a[g];
+    TORCH_CHECK(rg.scalar_type() == torch::kInt64 && rg.is_contiguous() && ag.is_contiguous() &&
+                    fgemm_wtype(ag.scalar_type()).has_value() && ag.dim() == 2 && ag.size(1) == c.K,
+                "group ", g, ": rows int64, a (R, in) contiguous fp32, fp16 or bf16");
+    const int64_t* r = rg.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rg.numel(); ++i) {
+      TORCH_CHECK(0 <= r[i] && r[i] < c.T, "row out of range");
+      c.repeats |= seen[r[i]] != 0;
+      seen[r[i]] = 1;
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t g = s_group[s], lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1], rlo = c.s_cols[4 * s + 2],
+                  rhi = c.s_cols[4 * s + 3];
+    TORCH_CHECK(0 <= g && g < G && 0 <= lo && lo < hi && hi <= c.N && 0 <= rlo && rlo < rhi && rhi <= c.a[g].size(0),
+                "slice ", s, ": bad group or columns");
+    TORCH_CHECK(c.b[s].is_contiguous() && fgemm_wtype(c.b[s].scalar_type()).has_value() && c.b[s].dim() == 2 &&
+                    c.b[s].size(0) == hi - lo && c.b[s].size(1) == rhi - rlo,
+                "slice ", s, ": b must be (hi - lo, rhi - rlo) contiguous fp32, fp16 or bf16");
+  }
+  for (int64_t s = 1; s < S; ++s) TORCH_CHECK(s_group[s - 1] <= s_group[s], "slices must come in group order");
+  c.first.assign(G + 1, 0);  // they come in group order: count each group's, then prefix sums
+  for (int64_t s = 0; s < S; ++s) ++c.first[s_group[s] + 1];
+  for (int64_t g = 0; g < G; ++g) c.first[g + 1] += c.first[g];
+}
+
+// The items. A group's work a row: its shrink (R K multiply-adds) and its slices' expands. A group is cut into
+// chunks (a multiple of 4 rows, fgemm's row block) of about a quarter of a thread's share, none under ~64k
+// multiply-adds (below that a thread's start costs more than it saves).
+static std::vector<Item> plan_items(const Call& c, int64_t threads) {
+  const int64_t G = static_cast<int64_t>(c.rows.size());
+  std::vector<int64_t> per_row(G, 0);
+  double total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    if (c.rows[g].numel() == 0 || c.first[g] == c.first[g + 1]) continue;
+    per_row[g] = c.a[g].size(0) * c.K;
+    for (int64_t s = c.first[g]; s < c.first[g + 1]; ++s)
+      per_row[g] += (c.s_cols[4 * s + 1] - c.s_cols[4 * s]) * c.b[s].size(1);
+    total += static_cast<double>(per_row[g]) * c.rows[g].numel();
+  }
+  const double target = std::max(total / (4.0 * threads), 65536.0);
+  std::vector<Item> items;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t n = c.rows[g].numel();
+    if (per_row[g] == 0) continue;
+    int64_t chunk = n;
+    if (threads > 1) {
+      const int64_t parts = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(per_row[g]) * n / target));
+      chunk = std::max<int64_t>(4, (((n + parts - 1) / parts) + 3) / 4 * 4);
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) items.push_back(Item{g, i0, std::min(n, i0 + chunk)});
+  }
+  return items;
+}
+
+// Slice s's expand and add for n rows r of shrinks hs (n, kp), +0 past its rank rr, through the lanes path:
+// b's width picks the widening (fgemm::gemm's three weight types).
+static void expand_lanes(const Call& c, int64_t s, int64_t n, const float* hs, int64_t kp, int64_t rr,
+                         const int64_t* r, float scl, float* wt) {
+  const int64_t lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1];
+  const void* bp = c.b[s].data_ptr();
+  switch (*fgemm_wtype(c.b[s].scalar_type())) {
+    case fgemm::WType::kF16:
+      avx2::expand_add(n, hs, kp, static_cast<const fgemm::F16*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
+      break;
+    case fgemm::WType::kBF16:
+      avx2::expand_add(n, hs, kp, static_cast<const fgemm::BF16*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
+      break;
+    default:
+      avx2::expand_add(n, hs, kp, static_cast<const float*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
+  }
+}
+
+// One item: its rows' shrink, then every slice's expand and add in slice order (lanes: the AVX2 lanes expand
+// where the rank allows it, else fgemm's).
+static void run_item(const Call& c, const Item& it, bool lanes, Scratch& sc) {
+  const int64_t g = it.g, n = it.i1 - it.i0, R = c.a[g].size(0), K = c.K;
+  const int64_t* r = c.rows[g].data_ptr<int64_t>() + it.i0;
+  sc.xs.resize(n * K), sc.h.resize(n * R);
+  for (int64_t i = 0; i < n; ++i) std::copy_n(c.x + r[i] * K, K, sc.xs.data() + i * K);  // (n, in): exact copies
+  fgemm::gemm(fgemm_args(n, R, K, sc.xs.data(), c.a[g], nullptr, sc.h.data()), 0, R);
+  const float scl = static_cast<float>(c.scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
+  for (int64_t s = c.first[g]; s < c.first[g + 1]; ++s) {
+    const int64_t lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1], rlo = c.s_cols[4 * s + 2],
+                  rr = c.s_cols[4 * s + 3] - rlo;
+    if (lanes && rr <= kLanesMaxK) {  // measured: ~5% faster than fgemm even at 2 rows a group
+      const int64_t kp = (rr + 7) / 8 * 8;
+      sc.hs.assign(n * kp, 0.f);
+      for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * kp);
+      expand_lanes(c, s, n, sc.hs.data(), kp, rr, r, scl, sc.wt);
+      continue;
+    }
+    sc.hs.resize(n * rr), sc.d.resize(n * (hi - lo));
+    for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * rr);
+    fgemm::gemm(fgemm_args(n, hi - lo, rr, sc.hs.data(), c.b[s], nullptr, sc.d.data()), 0, hi - lo);
+    for (int64_t i = 0; i < n; ++i) {
+      float* yr = c.y + r[i] * c.N + lo;
+      const float* dr = sc.d.data() + i * (hi - lo);
+      for (int64_t j = 0; j < hi - lo; ++j) yr[j] += dr[j] * scl;
+    }
+  }
+}
+
 }  // namespace lora_add_impl
 
 // x (T, in), y (T, out): fp32, contiguous. Per group: rows (n,) int64, a (n_t * r, in), scale. Per slice (in group
@@ -174,110 +302,23 @@ struct Scratch {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_contiguous() && y.is_contiguous() &&
                   x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32,
               "x (T, in) and y (T, out): contiguous fp32 with one row each");
-  const int64_t G = static_cast<int64_t>(rows.size()), S = static_cast<int64_t>(b.size());
-  TORCH_CHECK(static_cast<int64_t>(a.size()) == G && static_cast<int64_t>(scale.size()) == G, "one a, scale a group");
-  TORCH_CHECK(static_cast<int64_t>(s_group.size()) == S && static_cast<int64_t>(s_cols.size()) == 4 * S,
-              "a group and (lo, hi, rlo, rhi) a slice");
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1);
-  std::vector<uint8_t> seen(T, 0);
-  bool repeats = false;  // a row index in two places: the items could not run side by side
-  for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(rows[g].scalar_type() == torch::kInt64 && rows[g].is_contiguous() && a[g].is_contiguous() &&
-                    fgemm_wtype(a[g].scalar_type()).has_value() && a[g].dim() == 2 && a[g].size(1) == K,
-                "group ", g, ": rows int64, a (R, in) contiguous fp32, fp16 or bf16");
-    const int64_t* r = rows[g].data_ptr<int64_t>();
-    for (int64_t i = 0; i < rows[g].numel(); ++i) {
-      TORCH_CHECK(0 <= r[i] && r[i] < T, "row out of range");
-      repeats |= seen[r[i]] != 0;
-      seen[r[i]] = 1;
-    }
-  }
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t g = s_group[s], lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2],
-                  rhi = s_cols[4 * s + 3];
-    TORCH_CHECK(0 <= g && g < G && 0 <= lo && lo < hi && hi <= N && 0 <= rlo && rlo < rhi && rhi <= a[g].size(0),
-                "slice ", s, ": bad group or columns");
-    TORCH_CHECK(b[s].is_contiguous() && fgemm_wtype(b[s].scalar_type()).has_value() && b[s].dim() == 2 &&
-                    b[s].size(0) == hi - lo && b[s].size(1) == rhi - rlo,
-                "slice ", s, ": b must be (hi - lo, rhi - rlo) contiguous fp32, fp16 or bf16");
-  }
-  for (int64_t s = 1; s < S; ++s) TORCH_CHECK(s_group[s - 1] <= s_group[s], "slices must come in group order");
-  std::vector<int64_t> first(G + 1, 0);  // slices of group g: [first[g], first[g + 1]) (they come in group order)
-  for (int64_t s = 0; s < S; ++s) ++first[s_group[s] + 1];
-  for (int64_t g = 0; g < G; ++g) first[g + 1] += first[g];
-
-  // The items. A group's work a row: its shrink (R K multiply-adds) and its slices' expands. A group is cut
-  // into chunks (a multiple of 4 rows, fgemm's row block) of about a quarter of a thread's share, none under
-  // ~64k multiply-adds (below that a thread's start costs more than it saves).
-  const int64_t threads = repeats ? 1 : std::max<int64_t>(1, at::get_num_threads());
-  std::vector<int64_t> per_row(G, 0);
-  double total = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    if (rows[g].numel() == 0 || first[g] == first[g + 1]) continue;
-    per_row[g] = a[g].size(0) * K;
-    for (int64_t s = first[g]; s < first[g + 1]; ++s) per_row[g] += (s_cols[4 * s + 1] - s_cols[4 * s]) * b[s].size(1);
-    total += static_cast<double>(per_row[g]) * rows[g].numel();
-  }
-  const double target = std::max(total / (4.0 * threads), 65536.0);
-  std::vector<Item> items;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t n = rows[g].numel();
-    if (per_row[g] == 0) continue;
-    int64_t chunk = n;
-    if (threads > 1) {
-      const int64_t parts = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(per_row[g]) * n / target));
-      chunk = std::max<int64_t>(4, (((n + parts - 1) / parts) + 3) / 4 * 4);
-    }
-    for (int64_t i0 = 0; i0 < n; i0 += chunk) items.push_back(Item{g, i0, std::min(n, i0 + chunk)});
-  }
+  Call c{x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), y.size(1), rows, a, scale, s_cols, b, {},
+         false};
+  check_call(c, s_group);
+  const int64_t threads = c.repeats ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const std::vector<Item> items = plan_items(c, threads);
   if (items.empty()) return;
-
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const bool lanes = fgemm::isa() == fgemm::kAvx2;
-  auto run = [&](const Item& it, Scratch& sc) {
-    const int64_t g = it.g, n = it.i1 - it.i0, R = a[g].size(0);
-    const int64_t* r = rows[g].data_ptr<int64_t>() + it.i0;
-    sc.xs.resize(n * K), sc.h.resize(n * R);
-    for (int64_t i = 0; i < n; ++i) std::copy_n(xp + r[i] * K, K, sc.xs.data() + i * K);  // (n, in): exact copies
-    fgemm::gemm(fgemm_args(n, R, K, sc.xs.data(), a[g], nullptr, sc.h.data()), 0, R);
-    const float scl = static_cast<float>(scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
-    for (int64_t s = first[g]; s < first[g + 1]; ++s) {
-      const int64_t lo = s_cols[4 * s], hi = s_cols[4 * s + 1], rlo = s_cols[4 * s + 2], rr = s_cols[4 * s + 3] - rlo;
-      if (lanes && rr <= kLanesMaxK) {  // measured: ~5% faster than fgemm even at 2 rows a group
-        const int64_t kp = (rr + 7) / 8 * 8;
-        sc.hs.assign(n * kp, 0.f);
-        for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * kp);
-        const fgemm::WType wt = *fgemm_wtype(b[s].scalar_type());
-        const void* bp = b[s].data_ptr();
-        if (wt == fgemm::WType::kF16)
-          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const fgemm::F16*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
-        else if (wt == fgemm::WType::kBF16)
-          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const fgemm::BF16*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
-        else
-          avx2::expand_add(n, sc.hs.data(), kp, static_cast<const float*>(bp), rr, hi - lo, yp, r, N, lo, scl, sc.wt);
-        continue;
-      }
-      sc.hs.resize(n * rr), sc.d.resize(n * (hi - lo));
-      for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * rr);
-      fgemm::gemm(fgemm_args(n, hi - lo, rr, sc.hs.data(), b[s], nullptr, sc.d.data()), 0, hi - lo);
-      for (int64_t i = 0; i < n; ++i) {
-        float* yr = yp + r[i] * N + lo;
-        const float* dr = sc.d.data() + i * (hi - lo);
-        for (int64_t j = 0; j < hi - lo; ++j) yr[j] += dr[j] * scl;
-      }
-    }
-  };
   const int64_t I = static_cast<int64_t>(items.size());
   if (threads == 1 || I == 1) {
     auto sc = std::make_unique<Scratch>();
-    for (const Item& it : items) run(it, *sc);
+    for (const Item& it : items) run_item(c, it, lanes, *sc);
     return;
   }
   std::atomic<int64_t> next{0};  // the threads take the items in turn: which thread runs one changes no bit
   at::parallel_for(0, std::min(threads, I), 1, [&](int64_t w0, int64_t w1) {
     auto sc = std::make_unique<Scratch>();
     for (int64_t w = w0; w < w1; ++w)
-      for (int64_t i = next.fetch_add(1); i < I; i = next.fetch_add(1)) run(items[i], *sc);
+      for (int64_t i = next.fetch_add(1); i < I; i = next.fetch_add(1)) run_item(c, items[i], lanes, *sc);
   });
 }
