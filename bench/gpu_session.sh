@@ -5,7 +5,7 @@
 #
 #   run: bash bench/gpu_session.sh   (WHL_DIR: wheels of what the device image lacks; TOK_DIR: smollm2's tokenizer)
 #   STAGES="kernels attention" bash bench/gpu_session.sh   runs a subset
-#   stages: env graphs tests kernels e2e throughput attention serve sanitizer
+#   stages: env prebuild lorastack graphs tests kernels e2e throughput attention serve sanitizer
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 DEVICE=${DEVICE:-cuda}
@@ -87,6 +87,13 @@ if want env; then
         export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     fi
     stage env 30 bash -c env_info
+fi
+if want prebuild; then  # the C++ CPU kernels once, before xdist workers would each wait on the build lock
+    stage prebuild "${PREBUILD_LIMIT:-300}" "$PY" -c "from kernels_cupy.cpu.prebuild import main; main()"
+fi
+if want lorastack; then  # the LoRA stack tests alone in one process (a SIGSEGV there on the ninth session's H100)
+    stage lorastack "${LORASTACK_LIMIT:-240}" "$PY" -X faulthandler -m pytest --noconftest -p no:cacheprovider -q \
+        -rfE tests/test_lora_stack.py
 fi
 if want graphs; then  # CUDA graphs of the decode step against eager steps
     stage graphs "${GRAPHS_LIMIT:-50}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE tests/test_cuda_graphs.py

@@ -19,7 +19,8 @@ So each extension gets:
   stale; it is taken with a deadline (``KVGATE_KERNEL_BUILD_TIMEOUT`` seconds, default 600) so a live but
   stuck builder makes the caller fall back to the reference path instead of hanging;
 - under that lock, torch's own lock file (if any) is known to be stale (no one else can be building in the
-  directory) and is removed before ``load`` runs.
+  directory) and is removed before ``load`` runs;
+- a compiler that links libstdc++ into the extension is not used (``cxx_compiler``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ import fcntl
 import functools
 import hashlib
 import os
+import logging
 import platform
+import shutil
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 import time
 from pathlib import Path
 from typing import Any
 
 _POLL_S = 0.1
+log = logging.getLogger(__name__)
 
 
 class BuildLockTimeout(RuntimeError):
@@ -65,6 +72,53 @@ def cpu_identity() -> str:
     return f"{name}\n{flags}" if name or flags else platform.processor()
 
 
+def _shared_libstdcxx(cxx: str) -> bool:
+    """Whether ``cxx`` links C++ programs against a shared libstdc++ (its search path has ``libstdc++.so``)."""
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(out) and os.path.exists(out)
+
+
+@functools.lru_cache(maxsize=1)
+def cxx_compiler() -> str | None:
+    """The compiler our builds use instead of ``$CXX`` (torch's choice, default ``c++``), or None to keep it.
+
+    A compiler whose search path has only ``libstdc++.a`` links the archive into the extension (the lent H100
+    image's ``CXX=/opt/gcc/bin/g++``), so the process then holds two copies of libstdc++: torch's shared one and
+    ours. Ours crashed (SIGSEGV in its locale code) formatting any number into an error, so every ``TORCH_CHECK``
+    with a number in its message killed the worker instead of raising (bench/RESULTS.md, tenth session). Such
+    a compiler is replaced by the first ``c++``/``g++`` on PATH that links the shared library."""
+    current = os.environ.get("CXX", "c++")
+    if _shared_libstdcxx(current):
+        return None
+    for name in ("c++", "g++"):
+        path = shutil.which(name)
+        if path and _shared_libstdcxx(path):
+            log.warning("kvgate: %s would link libstdc++ statically into the CPU kernels; building with %s",
+                        current, path)
+            return path
+    return None
+
+
+@contextmanager
+def _compiler_env() -> Iterator[None]:
+    """``CXX`` set to ``cxx_compiler()`` for the duration of a build (torch reads it when it writes build.ninja)."""
+    cxx, before = cxx_compiler(), os.environ.get("CXX")
+    if cxx is not None:
+        os.environ["CXX"] = cxx
+    try:
+        yield
+    finally:
+        if cxx is not None:
+            if before is None:
+                os.environ.pop("CXX", None)
+            else:
+                os.environ["CXX"] = before
+
+
 def _native(cflags: list[str]) -> bool:
     return any("march=native" in f for f in cflags)
 
@@ -80,6 +134,8 @@ def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldfla
         h.update(str(p.resolve()).encode())
         h.update(p.read_bytes())
     h.update(repr((cflags, ldflags, torch.__version__, sys.version_info[:2])).encode())
+    if cxx_compiler() is not None:  # only where $CXX is replaced, so other machines keep their keys
+        h.update(f"cxx={cxx_compiler()}".encode())
     if _native(cflags):
         h.update(cpu_identity().encode())
     return h.hexdigest()[:16]
@@ -126,8 +182,9 @@ def load_extension(name: str, sources: list[Path], *, headers: list[Path] | None
                 raise RuntimeError(f"{out} was built for another CPU ({first!r}); not loading it")
             stamp.write_text(cpu_identity())
         include = sorted({str(p.parent) for p in headers})
-        return _load(name=name, sources=[str(s) for s in sources], extra_include_paths=include,
-                     extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(out), verbose=False)
+        with _compiler_env():
+            return _load(name=name, sources=[str(s) for s in sources], extra_include_paths=include,
+                         extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(out), verbose=False)
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
