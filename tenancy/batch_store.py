@@ -61,6 +61,7 @@ class BatchRecord:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None  # why validation failed: [{code, message, line, param}]
+    model: str | None = None  # the model its file's lines name; None (batches from before): the served model
 
 
 _COLUMNS = ", ".join(f.name for f in fields(BatchRecord))

@@ -22,7 +22,7 @@ from tenancy.db_backend import Backend, Row, Tx
 
 Purpose = Literal["batch", "batch_output"]
 Order = Literal["asc", "desc"]
-_COLUMNS = "id, tenant_id, created_at, filename, purpose, size_bytes, line_count, endpoint"
+_COLUMNS = "id, tenant_id, created_at, filename, purpose, size_bytes, line_count, endpoint, model"
 # Ids this gateway makes are a prefix + hex. Anything else is unknown without a query (a NUL byte would be a
 # PostgreSQL error, a 503, instead of the 404 it deserves).
 ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -38,12 +38,13 @@ class FileRecord:
     size_bytes: int
     line_count: int
     endpoint: str | None  # an input file's endpoint (every line's url is the same); None for output files
+    model: str | None = None  # an input file's model (every line's); None for output files and older uploads
 
 
 def insert_file(tx: Tx, record: FileRecord, content: bytes) -> None:
     """Inside a caller's transaction (a batch's output files are written with its final state)."""
-    tx.execute(f"INSERT INTO files ({_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               (*astuple(record), content))
+    values = (*astuple(record), content)
+    tx.execute(f"INSERT INTO files ({_COLUMNS}, content) VALUES ({', '.join('?' * len(values))})", values)
 
 
 def cursor_page(db: Backend, table: str, columns: str, tenant_id: str, after: str | None, limit: int, order: Order,
@@ -109,5 +110,5 @@ class FileStore:
 
 
 def _record(row: Row) -> FileRecord:
-    fid, tid, created, filename, purpose, size, lines, endpoint = row
-    return FileRecord(fid, tid, float(created), filename, purpose, int(size), int(lines), endpoint)
+    fid, tid, created, filename, purpose, size, lines, endpoint, model = row
+    return FileRecord(fid, tid, float(created), filename, purpose, int(size), int(lines), endpoint, model)

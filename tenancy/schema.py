@@ -153,6 +153,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         "CREATE INDEX lora_adapters_tenant ON lora_adapters(tenant_id)",
         "ALTER TABLE usage ADD COLUMN adapter TEXT",
     )),
+    # The model a batch file's lines name (one a file) and the model of a batch made from it: the key's model
+    # allowlist is checked against it (a key allowed only an adapter can upload and run a file for that adapter)
+    # and the batch object reports it. NULL (files and batches from before): the served model, which is what
+    # they were checked against.
+    (8, ("ALTER TABLE files ADD COLUMN model TEXT", "ALTER TABLE batches ADD COLUMN model TEXT")),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from gateway.batches.jsonl import BatchFileError, parse_batch_file
+from tenancy.models import Quota
 from tests.lora_support import ATTN, make_adapter
 from tests.tenancy_support import make_tenant, store_of
 from tests.test_gateway_support import MODEL, Server, start_server, wait_batch
@@ -126,6 +127,23 @@ def test_another_tenant_s_adapter_fails_validation_as_a_name_nobody_registered(
             [error] = done.errors.data
             errors[name] = (error.code, error.line, error.message and error.message.replace(name, "NAME"))
     assert errors["alpha-a"] == errors["alpha-nobody"] == ("model_not_found", 1, "The model `NAME` does not exist.")
+
+
+def test_a_key_allowed_only_an_adapter_runs_a_batch_for_it(srv: Server, tenants: dict[str, tuple[str, str]]) -> None:
+    # The key's model allowlist is checked against the model the file names, not the served one: a key allowed
+    # only its tenant's adapter uploads and runs a file for that adapter, is refused one for the base model, and
+    # the batch object names the adapter (before: 403 at upload, and "model" the served model).
+    with store_of(srv) as store:
+        key_id, key = store.create_key("ten-a", "adapter-only")
+        store.set_quota("ten-a", Quota(allowed_models=("alpha-a",)), key_id=key_id)
+    with _client(srv, key) as client:
+        done = wait_batch(client, _run(client, [_body("alpha-a", PROMPTS[0])]))
+        assert done.status == "completed" and done.model == "alpha-a"
+        assert client.batches.retrieve(done.id).model == "alpha-a"
+        assert [b.model for b in client.batches.list() if b.id == done.id] == ["alpha-a"]
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            client.files.create(file=("base.jsonl", _jsonl([_body(MODEL, PROMPTS[0])])), purpose="batch")
+    assert e.value.code == "model_not_allowed" and e.value.param == "file" and MODEL in e.value.message
 
 
 def test_a_file_naming_two_models_is_refused_at_upload(srv: Server, tenants: dict[str, tuple[str, str]]) -> None:

@@ -40,11 +40,14 @@ def _jsonl(n: int, url: str = CHAT, prefix: str = "", **body: Any) -> bytes:
 
 
 def _file(fid: str, tenant: str, t: float, purpose: Purpose = "batch") -> FileRecord:
-    return FileRecord(fid, tenant, t, f"{fid}.jsonl", purpose, 10, 1, CHAT if purpose == "batch" else None)
+    # an input file keeps its lines' model (an adapter's name here), an output file none
+    return FileRecord(fid, tenant, t, f"{fid}.jsonl", purpose, 10, 1, *((CHAT, "org/alpha:v1") if purpose == "batch"
+                                                                        else (None, None)))
 
 
 def _batch(bid: str, tenant: str, t: float, expires_in: float = 86400.0) -> BatchRecord:
-    return BatchRecord(bid, tenant, "key_x", t, "validating", CHAT, "file-in", "24h", {"k": "v"}, t + expires_in)
+    return BatchRecord(bid, tenant, "key_x", t, "validating", CHAT, "file-in", "24h", {"k": "v"}, t + expires_in,
+                       model="org/alpha:v1")
 
 
 def _usage(rid: str, tenant: str, tokens: int = 5) -> UsageRow:

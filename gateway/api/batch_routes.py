@@ -74,7 +74,6 @@ def _create_fields(body: Any) -> tuple[str, str, str, dict[str, str] | None]:
 async def create_batch() -> Response:
     principal = await authorize()
     state = app_state()
-    model = state.config.model_name
     file_id, endpoint, window, metadata = _create_fields(await read_json())
     stored = state.tenancy.batches
     upload = await stored.file(principal.tenant_id, file_id)
@@ -86,11 +85,12 @@ async def create_batch() -> Response:
     if upload.endpoint != endpoint:
         raise bad_request(f"The input file's requests are to {upload.endpoint} (line 1), not to {endpoint}",
                           param="endpoint", code="mismatched_url")
+    model = upload.model or state.config.model_name  # a file uploaded before files kept their model: the base's
     if not principal.allows_model(model):
         raise model_not_allowed(model, param="input_file_id")
     now = time.time()
     record = BatchRecord(new_batch_id(), principal.tenant_id, principal.key_id, now, "validating", endpoint, file_id,
-                         window, metadata, now + COMPLETION_WINDOW_S[window])
+                         window, metadata, now + COMPLETION_WINDOW_S[window], model=model)
     await stored.create_batch(record)
     return json_response(batch_object(record, model))
 

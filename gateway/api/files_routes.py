@@ -143,10 +143,10 @@ async def upload_file() -> Response:
         raise APIError(413, f"the file has {len(data)} bytes; at most {cfg.batch.max_file_bytes} are accepted",
                        code="file_too_large", param="file")
     parsed = await trio.to_thread.run_sync(parse_batch_file, data, cfg.model_name, cfg.batch.max_file_lines)
-    if not principal.allows_model(cfg.model_name):
-        raise model_not_allowed(cfg.model_name, param="file")
+    if not principal.allows_model(parsed.model):  # the model every line names, the base or an adapter
+        raise model_not_allowed(parsed.model, param="file")
     record = FileRecord(new_file_id(), principal.tenant_id, time.time(), filename, "batch", len(data),
-                        len(parsed.lines), parsed.endpoint)
+                        len(parsed.lines), parsed.endpoint, parsed.model)
     await state.tenancy.batches.put_file(record, data)
     log.info("file uploaded", extra={"fields": {"event": "file_uploaded", "file_id": record.id,
                                                 "tenant_id": record.tenant_id, "bytes": record.size_bytes,

@@ -43,9 +43,11 @@ def _ts(t: float | None) -> int | None:
     return None if t is None else int(t)
 
 
-def batch_object(r: BatchRecord, model: str) -> dict[str, Any]:
+def batch_object(r: BatchRecord, served: str) -> dict[str, Any]:
+    """The OpenAI Batch object; ``model``: what its file's lines name (``served``, the base model's name, for
+    batches stored before the model was)."""
     return {
-        "id": r.id, "object": "batch", "endpoint": r.endpoint, "model": model,
+        "id": r.id, "object": "batch", "endpoint": r.endpoint, "model": r.model or served,
         "errors": {"object": "list", "data": r.errors} if r.errors else None,
         "input_file_id": r.input_file_id, "completion_window": r.completion_window, "status": r.status,
         "output_file_id": r.output_file_id, "error_file_id": r.error_file_id, "created_at": int(r.created_at),
