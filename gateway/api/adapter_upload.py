@@ -36,8 +36,8 @@ from werkzeug.sansio.multipart import Data, Epilogue, Field, File, MultipartDeco
 from common.peft_config import NAME_RE as DIR_NAME_RE
 from gateway.api.admin import op_error
 from gateway.api.context import app_state, authorize
-from gateway.api.files_routes import UploadConnection
-from gateway.api.http_json import json_response
+from gateway.api.files_routes import UploadConnection, read_in_handler
+from gateway.api.http_json import body_read, json_response
 from gateway.base.errors import APIError, bad_request
 from gateway.base.principal import Principal
 from tenancy.adapter_files import read_marker, write_marker
@@ -74,6 +74,7 @@ def install_upload_limit(app: object) -> None:
     # Keeps the Files API's own limit: this class extends UploadConnection, which files_routes installs first.
     if isinstance(app, QuartTrio) and issubclass(AdapterUploadConnection, app.asgi_http_class):
         app.asgi_http_class = AdapterUploadConnection
+        read_in_handler(app, ADAPTERS_PATH)
     else:
         raise RuntimeError("the adapter upload limit must be installed after files_routes.register")
 
@@ -230,9 +231,10 @@ async def upload_adapter() -> Response:
     principal = await authorize()
     state = app_state()
     lora = _lora()
-    # Buffered whole (at most MAX_UPLOAD_BYTES) by http_json.read_body_first before this runs (every body is: an
-    # answer sent before its body was read wedges Hypercorn's keep-alive); the decode writes it out, no 2nd copy.
+    # Read here, after the key (at most MAX_UPLOAD_BYTES; http_json.read_body_first leaves uploads to their
+    # handlers); the decode writes it out, no 2nd copy.
     raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    body_read()
     name, directory, summary = await _stage(raw, lora, principal)
     del raw
     ops = LocalAdmin(state.tenancy.store, lora=lora)

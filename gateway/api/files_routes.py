@@ -26,7 +26,7 @@ from werkzeug.formparser import FormDataParser
 from werkzeug.http import parse_options_header
 
 from gateway.api.context import app_state, authorize
-from gateway.api.http_json import json_response
+from gateway.api.http_json import READ_IN_HANDLER_KEY, body_read, json_response
 from gateway.base.errors import APIError, bad_request, model_not_allowed
 from gateway.batches.jsonl import parse_batch_file
 from gateway.batches.objects import file_object, new_file_id
@@ -59,9 +59,15 @@ class UploadConnection(TrioASGIHTTPConnection):
         return req
 
 
+def read_in_handler(app: QuartTrio, path: str) -> None:
+    """POST ``path`` is an upload whose handler authorizes before it reads the body (http_json.read_body_first)."""
+    app.config[READ_IN_HANDLER_KEY] = frozenset({*app.config.get(READ_IN_HANDLER_KEY, ()), ("POST", path)})
+
+
 def register(app: QuartTrio, max_file_bytes: int) -> None:
     app.asgi_http_class = UploadConnection
     app.config[UPLOAD_LIMIT_KEY] = max_file_bytes + MULTIPART_ALLOWANCE
+    read_in_handler(app, FILES_PATH)
     app.add_url_rule(FILES_PATH, view_func=upload_file, methods=["POST"])
     app.add_url_rule(FILES_PATH, view_func=list_files, methods=["GET"])
     app.add_url_rule(f"{FILES_PATH}/<file_id>", view_func=retrieve_file, methods=["GET"])
@@ -129,6 +135,7 @@ async def upload_file() -> Response:
     cfg = state.config
     # Bounded by UploadConnection's limit (413 past it); not cached: the form's bytes are copied out in the thread.
     raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    body_read()
     purpose, upload = await trio.to_thread.run_sync(_read_form, raw, request.headers.get("Content-Type", ""))
     del raw
     if purpose is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Response, g, request
+from quart import Response, current_app, g, request
 
 from gateway.base.errors import bad_request
 
@@ -39,6 +39,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# app.config: the (method, path) of requests whose handler authorizes before it reads the body (uploads)
+READ_IN_HANDLER_KEY = "KVGATE_READ_IN_HANDLER"
+
+
 def _has_body() -> bool:
     return (request.content_length or 0) > 0 or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
 
@@ -47,10 +51,22 @@ async def read_body_first() -> None:
     """``before_request``: take in the whole body before any answer can leave. Hypercorn 0.18's trio worker wedges
     a keep-alive connection whose response went out before its request body arrived (a 401 or 404 answered before
     parsing, a GET with a body): the client's next request on it is never answered. Found by the bad-input chaos
-    drill; bounded by MAX_CONTENT_LENGTH (413) and BODY_TIMEOUT (408), as the routes' own reads are."""
+    drill; bounded by MAX_CONTENT_LENGTH (413) and BODY_TIMEOUT (408), as the routes' own reads are.
+
+    Not for uploads (READ_IN_HANDLER_KEY): their limit is --max-file-bytes, and reading first would take in up to
+    that much from a caller before its key is looked at. Their handlers authorize, then read (``body_read``); a
+    refusal goes out with the body unread and ``Connection: close`` (close_if_body_unread), so no next request
+    waits on that connection (tests/test_upload_refused_body.py: the rest of the body is not held)."""
+    if (request.method, request.path) in current_app.config.get(READ_IN_HANDLER_KEY, ()):
+        return
     if _has_body():
         await request.get_data(cache=True)  # read_json takes it from the cache
         g.body_read = True
+
+
+def body_read() -> None:
+    """An upload handler has read its whole body: its answer may keep the connection alive."""
+    g.body_read = True
 
 
 async def close_if_body_unread(response: Response) -> Response:
