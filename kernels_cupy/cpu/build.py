@@ -28,15 +28,15 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
-import os
 import logging
+import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-import time
 from pathlib import Path
 from typing import Any
 
