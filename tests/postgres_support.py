@@ -17,7 +17,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from itertools import count
 from pathlib import Path
 
 import pytest
+
+from tests import ports
 
 START_TIMEOUT_S = 30.0
 SUPERUSER = "kvgate"
@@ -48,9 +49,7 @@ def find_bindir() -> Path | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()  # below the ephemeral range (tests/ports.py)
 
 
 class PostgresCluster:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import ports
+
 START_TIMEOUT_S = 10.0
 
 
@@ -46,9 +48,7 @@ def require_redis_server() -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()  # below the ephemeral range (tests/ports.py)
 
 
 def _ping(port: int, timeout_s: float = 0.2) -> bool:

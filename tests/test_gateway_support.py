@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from tests import ports
+
 if TYPE_CHECKING:
     import openai
     from openai.types import Batch
@@ -37,9 +39,7 @@ STARTUP_TIMEOUT_S = 240.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()  # below the ephemeral range (tests/ports.py)
 
 
 ADMIN_TOKEN = "admin-" + "t" * 26
