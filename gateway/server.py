@@ -162,6 +162,22 @@ def _lease_holder(cfg: GatewayConfig) -> str:
     return f"{socket.gethostname()}:{cfg.port}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+async def _sweep_uploads(admin: AdapterAdmin, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Tenants' uploaded adapter directories that nothing registers any more, now and every
+    ``KVGATE_UPLOAD_SWEEP_S`` seconds (default 300): a tenant suspended or deleted through ``kvgatectl --db``
+    loses its registrations at once, but only a gateway can remove the files, and a crash mid-upload leaves one
+    behind. ``sweep_uploads`` spares anything younger than its grace period (an upload between its rename and its
+    registration). Several gateways on one directory each sweep: removals are idempotent."""
+    interval_s = float(os.environ.get("KVGATE_UPLOAD_SWEEP_S", "300"))
+    task_status.started()
+    while True:
+        try:
+            await trio.to_thread.run_sync(admin.sweep)
+        except Exception:  # a full disk or a store hiccup must not stop the gateway: the next round tries again
+            log.exception("sweeping unregistered adapter uploads failed")
+        await trio.sleep(interval_s)
+
+
 def _batch_runner(state: GatewayState) -> BatchRunner:
     cfg, ten = state.config, state.tenancy
     pipe = Pipeline(state.tokenizer, state.pool, ten.quota, state.metrics, state.tracing, cfg.model_name,
@@ -223,8 +239,8 @@ async def serve(cfg: GatewayConfig, *, handle_signals: bool = True, span_exporte
                     worker_auth.keyring.local_ids = frozenset(supervisor.worker_ids())
                 await outer.start(supervisor.run)
             state = GatewayState(cfg, tokenizer, pool, tenancy, gm, tracing, lora=lora)
-            # Uploads left unregistered (a tenant suspended through kvgatectl, a crash mid-upload): gone at start.
-            await trio.to_thread.run_sync(AdapterAdmin(tenancy.store, lora).sweep)
+            if lora is not None:  # uploads left unregistered, at start and then periodically
+                await outer.start(_sweep_uploads, AdapterAdmin(tenancy.store, lora))
             await outer.start(_batch_runner(state).run)  # runs batches while this gateway holds the lease
             app = create_app(state)
             stop = trio.Event()
