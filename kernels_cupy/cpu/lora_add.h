@@ -93,22 +93,26 @@ static inline __attribute__((always_inline)) void lane(const float* h, const flo
   }
 }
 
+// t[v] = lane i + lane j: one pair of the tree's first level.
+template <int V>
+static inline __attribute__((always_inline)) void pair(const float* h, const float* wt, int64_t kp, int i, int j,
+                                                        __m256 (&t)[V]) {
+  __m256 q[V];
+  lane<V>(h, wt, kp, i, t);
+  lane<V>(h, wt, kp, j, q);
+  for (int v = 0; v < V; ++v) t[v] = _mm256_add_ps(t[v], q[v]);
+}
+
 // s[v] = fgemm's sum for the 8 outputs of columns 8v..8v+7: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
 template <int V>
 static inline __attribute__((always_inline)) void sums(const float* h, const float* wt, int64_t kp, __m256 (&s)[V]) {
-  __m256 p[V], q[V], lo[V], hi[V];
-  lane<V>(h, wt, kp, 0, p);
-  lane<V>(h, wt, kp, 4, q);
-  for (int v = 0; v < V; ++v) lo[v] = _mm256_add_ps(p[v], q[v]);                    // a0 + a4
-  lane<V>(h, wt, kp, 2, p);
-  lane<V>(h, wt, kp, 6, q);
-  for (int v = 0; v < V; ++v) lo[v] = _mm256_add_ps(lo[v], _mm256_add_ps(p[v], q[v]));  // + (a2 + a6)
-  lane<V>(h, wt, kp, 1, p);
-  lane<V>(h, wt, kp, 5, q);
-  for (int v = 0; v < V; ++v) hi[v] = _mm256_add_ps(p[v], q[v]);                    // a1 + a5
-  lane<V>(h, wt, kp, 3, p);
-  lane<V>(h, wt, kp, 7, q);
-  for (int v = 0; v < V; ++v) hi[v] = _mm256_add_ps(hi[v], _mm256_add_ps(p[v], q[v]));  // + (a3 + a7)
+  __m256 lo[V], hi[V], t[V];
+  pair<V>(h, wt, kp, 0, 4, lo);
+  pair<V>(h, wt, kp, 2, 6, t);
+  for (int v = 0; v < V; ++v) lo[v] = _mm256_add_ps(lo[v], t[v]);
+  pair<V>(h, wt, kp, 1, 5, hi);
+  pair<V>(h, wt, kp, 3, 7, t);
+  for (int v = 0; v < V; ++v) hi[v] = _mm256_add_ps(hi[v], t[v]);
   for (int v = 0; v < V; ++v) s[v] = _mm256_add_ps(lo[v], hi[v]);
 }
 
