@@ -26,8 +26,8 @@ def free_port() -> int:
     start = _ephemeral_start()
     low = max(1024, start - _SPAN)
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(low, start) if start > low else rng.randrange(20000, 30000)
+    for _ in range(200 if start > low else 0):  # no room below the range: the kernel's choice, as before
+        port = rng.randrange(low, start)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -134,8 +134,9 @@ def build_key(sources: list[Path], headers: list[Path], cflags: list[str], ldfla
         h.update(str(p.resolve()).encode())
         h.update(p.read_bytes())
     h.update(repr((cflags, ldflags, torch.__version__, sys.version_info[:2])).encode())
-    if cxx_compiler() is not None:  # only where $CXX is replaced, so other machines keep their keys
-        h.update(f"cxx={cxx_compiler()}".encode())
+    cxx = cxx_compiler()
+    if cxx is not None:  # only where $CXX is replaced, so other machines keep their keys
+        h.update(f"cxx={cxx}".encode())
     if _native(cflags):
         h.update(cpu_identity().encode())
     return h.hexdigest()[:16]
