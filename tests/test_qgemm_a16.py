@@ -126,9 +126,10 @@ mod = load_qgemm()
 g = torch.Generator().manual_seed(0)
 outs = []
 # (K's blocks: 3; 19 and 131 = groups of 8 + a 3-block span group; 9, 10 = a group + 1 or 2; 13 = a padded group;
-# on AMX, from 16 rows: 300 and 17 rows = whole tiles + a part, 9 and 40 columns = a part of one or two halves)
+# on AMX, from 16 rows: 300, 17, 29 and 40 rows = whole tiles + a part, 9, 33 and 40 columns = a part of one or two
+# halves; K of 3 blocks (fewer than the 8 lanes: the lanes past K stay zero) and of 9 and 19 (the C ring wraps))
 for m, n, k in ((1, 19, 96), (7, 21, 32 * 19), (300, 9, 32 * 131), (5, 11, 32 * 9), (6, 10, 32 * 10), (4, 7, 32 * 13),
-                (17, 40, 32 * 19), (16, 33, 96)):
+                (17, 40, 32 * 19), (16, 33, 96), (32, 40, 32 * 19), (29, 33, 32 * 9), (40, 70, 96)):
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
     x[0, :32] = 0.0
     x[-1, 32:64] *= 1e-39  # a block of subnormals: its scale underflows, 1 / scale overflows

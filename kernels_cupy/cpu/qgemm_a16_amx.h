@@ -23,16 +23,15 @@
 //   rows, row k holding weights 4k .. 4k+3 of block b of each column c at bytes 4c .. 4c+3 (natural order: Q4
 //   bytes 4k .. 4k+3 give elements 4k .. 4k+3 in their low nibbles and 16 + 4k .. in their high ones). Q4: 16 rows,
 //   8 of w and 8 of 16 w; Q8: 8 rows. The blocks' scales d and minimums m beside them, as fp32 rows of 16 columns.
-// - C tiles: per block, a tile of 16 rows x 16 int32 a half (Q8: two, lo and hi) stored for the epilogue, which
-//   then runs a row at a time over every block with its 8 lane accumulators in registers.
+// - C tiles: per block, a tile of 16 rows x 16 int32 a half (Q8: two, lo and hi) stored to a slot of a small ring
+//   for the epilogue, which adds the block into lane b % 8 of each output's 8 lane accumulators (L1, 16 KB).
 
 using vnni::QK;
 // Q4's single tile product needs h = c >> 4 in a signed byte: codes of 12 bits at most (qgemm_core.h, kCodeMax).
 static_assert(kCodeMax <= 2047.0f, "Q4 on AMX splits a code as 16 h + l with h a signed byte");
 static constexpr int64_t kChunk = 32;         // columns a pass: two halves of 16
-// Bytes of C a block: 2 halves x (Q8: lo and hi) x 16 x 16 int32, plus 3 cache lines: at a 4 KB stride every
-// block of a row would sit in one L1 set and its loads would wait on the tile stores of the next job to the
-// same low 12 address bits (4K aliasing): the padding took 8% off a whole call (bench/RESULTS.md).
+// Bytes of C a block (a ring slot): 2 halves x (Q8: lo and hi) x 16 x 16 int32, plus 3 cache lines, so that the
+// slots do not sit at a 4 KB stride (4K aliasing between one slot's loads and the next one's tile stores).
 template <bool Q4> static constexpr int64_t kBlockTiles = (Q4 ? 2048 : 4096) + 192;
 static constexpr int64_t kBlockW = 2048;      // bytes of B a block: 2 halves x (Q4: 16, Q8: 8) rows x 64
 static constexpr int64_t kHalfW = 1024;       // where a block's second half starts in B
@@ -135,11 +134,10 @@ static void pack_chunk(const QArgs16& a, int64_t n, int64_t cn, uint8_t* wt, flo
   }
 }
 
-// Block b's C tiles for rows m0 .. m0+15 against the packed chunk wt, stored to cb (nb x kBlockTiles<Q4>).
+// Block b's C tiles for rows m0 .. m0+15 against the packed chunk wt, stored to c (kBlockTiles<Q4> bytes).
 template <bool Q4>
-static inline void block_tiles(const QArgs16& a, int64_t m0, int64_t b, const uint8_t* wt, int32_t* cb) {
+static inline void block_tiles(const QArgs16& a, int64_t m0, int64_t b, const uint8_t* wt, int32_t* c) {
   const uint8_t* at = reinterpret_cast<const uint8_t*>(a.qa) + m0 * 2 * a.qs + b * 1024;  // tile m0 / 16, block b
-  int32_t* c = cb + b * (kBlockTiles<Q4> / 4);
   _tile_loadd(6, wt + b * kBlockW, 64);
   _tile_loadd(7, wt + b * kBlockW + kHalfW, 64);
   if constexpr (Q4) {
@@ -168,88 +166,82 @@ static inline void block_tiles(const QArgs16& a, int64_t m0, int64_t b, const ui
   }
 }
 
-// Row m (tile row r) of half h: numerics 3 over every block, then the tree, the bias, 16 (masked) outputs.
+// Block b's share of the epilogue for the job's rows (rows of the tile at m0) and halves: numerics 3, block b into
+// lane b % 8 of each output's accumulators acc ((row, half, lane) x 16 fp32, kept in L1 across the job's blocks),
+// from the block's C tiles at c. The lanes see their blocks in block order, as a row at a time over every block
+// would give them: the same bits.
 template <bool Q4>
-static inline void epilogue_row(const QArgs16& a, const int32_t* cb, const float* dv, const float* mv, int64_t m,
-                                int64_t r, int64_t h, int64_t n, __mmask16 keep) {
-  const int64_t nb = a.K / QK;
-  const float* sa = a.sa + m * a.ss;
-  const float* xs = a.xsum + m * a.ss;
-  const float* d = dv + h * nb * 16;
-  const float* mn = mv + h * nb * 16;
-  const int32_t* c = cb + h * (Q4 ? 256 : 512) + r * 16;
-  __m512 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const int64_t b = b0 + j;
-      if (b >= nb) break;
-      const int32_t* cbk = c + b * (kBlockTiles<Q4> / 4);
-      const __m512i s = Q4 ? _mm512_load_si512(cbk)
-                           : _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cbk + 256), 8), _mm512_load_si512(cbk));
-      const __m512 ds = _mm512_mul_ps(_mm512_load_ps(d + 16 * b), _mm512_set1_ps(sa[b]));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ds, acc[j]);
-      if constexpr (Q4) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(mn + 16 * b), _mm512_set1_ps(xs[b]), acc[j]);
+static inline void epilogue_block(const QArgs16& a, const int32_t* c, const float* dv, const float* mv, int64_t m0,
+                                  int64_t rows, int64_t halves, int64_t b, __m512* acc) {
+  const int64_t nb = a.K / QK, lane = b % 8;
+  for (int64_t h = 0; h < halves; ++h) {
+    const __m512 d = _mm512_load_ps(dv + (h * nb + b) * 16);
+    const __m512 mn = _mm512_load_ps(mv + (h * nb + b) * 16);
+    const int32_t* ch = c + h * (Q4 ? 256 : 512);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const __m512i s = Q4 ? _mm512_load_si512(ch + r * 16)
+                           : _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 256 + r * 16), 8),
+                                              _mm512_load_si512(ch + r * 16));
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[m * a.ss + b]));
+      __m512* p = acc + (r * 2 + h) * 8 + lane;
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ds, b < 8 ? _mm512_setzero_ps() : *p);
+      if constexpr (Q4) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[m * a.ss + b]), v);
+      *p = v;
     }
   }
-  __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
-                           _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
-  float* out = a.out + m * a.N + n + 16 * h;
-  if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, a.bias + n + 16 * h));
-  _mm512_mask_storeu_ps(out, keep, v);
 }
 
-// A tile of up to 16 rows x 32 columns: where its packed weights and its C tiles are.
-struct Job {
-  int64_t m0, n, cn;
-  const float *dv, *mv;
-  const int32_t* cb;
-};
-
-// The epilogue's units u0 .. u1-1 of job j: unit u = half u / 16, row u % 16 (units past its rows or columns: none).
-template <bool Q4>
-static inline void epilogue_units(const QArgs16& a, const Job& j, int64_t u0, int64_t u1) {
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t h = u / 16, r = u % 16;
-    const __mmask16 keep = half_mask(j.cn - 16 * h);
-    if (!keep || j.m0 + r >= a.M) continue;
-    epilogue_row<Q4>(a, j.cb, j.dv, j.mv, j.m0 + r, r, h, j.n, keep);
+// The job's outputs: each (row, half)'s 8 lanes in numerics 3's tree, the bias, 16 (masked) outputs.
+static inline void epilogue_out(const QArgs16& a, const __m512* acc, int64_t m0, int64_t rows, int64_t n, int64_t cn) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const __mmask16 keep = half_mask(cn - 16 * h);
+      if (!keep) continue;
+      const __m512* l = acc + (r * 2 + h) * 8;
+      __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                               _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+      if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, a.bias + n + 16 * h));
+      _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n + 16 * h, keep, v);
+    }
   }
 }
 
-// Output columns [n0, n1) for every row: 32 columns a pass (packed once), each tile of 16 rows in turn. The tile
-// unit (AMX) and the vector units run side by side: a job's blocks are issued between slices of the previous
-// job's epilogue, so packed weights and C tiles are double-buffered.
+// C tiles stay in L1: a block's tiles go to a ring of kRing slots and its epilogue runs kLag blocks later (the tile
+// products of the blocks in between overlap it), so they are read back soon after their stores. Holding a whole
+// job's tiles instead (nb slots: 40 KB for Q4, 77 KB for Q8 at K = 576, double-buffered, so in L2) made the
+// head's Q8 calls 1.1-1.3x slower at 32 rows; Q4 calls take the same time either way (bench/RESULTS.md).
+static constexpr int64_t kLag = 2, kRing = 3;
+
+// Output columns [n0, n1) for every row: 32 columns a pass (packed once), each tile of 16 rows in turn: for each
+// block its tile products, then the epilogue of the block kLag before it.
 template <bool Q4>
 static void gemm16_tiles(const QArgs16& a, int64_t n0, int64_t n1) {
-  const int64_t nb = a.K / QK, slot = nb * (kBlockW + kBlockTiles<Q4> + 2 * 2 * 16 * 4);
-  char* buf = vnni::panel_buffer(2 * slot);
-  auto wt = [&](int64_t i) { return reinterpret_cast<uint8_t*>(buf + i * slot); };
-  auto cb = [&](int64_t i) { return reinterpret_cast<int32_t*>(buf + i * slot + nb * kBlockW); };
-  auto dv = [&](int64_t i) { return reinterpret_cast<float*>(buf + i * slot + nb * (kBlockW + kBlockTiles<Q4>)); };
-  auto mv = [&](int64_t i) { return dv(i) + 2 * nb * 16; };
+  const int64_t nb = a.K / QK, slot = nb * kBlockW + kRing * kBlockTiles<Q4> + 2 * 2 * nb * 16 * 4;
+  char* buf = vnni::panel_buffer(slot);
+  uint8_t* wt = reinterpret_cast<uint8_t*>(buf);
+  int32_t* ring = reinterpret_cast<int32_t*>(buf + nb * kBlockW);
+  float* dv = reinterpret_cast<float*>(buf + nb * kBlockW + kRing * kBlockTiles<Q4>);
+  float* mv = dv + 2 * nb * 16;
+  alignas(64) __m512 acc[16 * 2 * 8];  // (row, half, lane) x 16 fp32
+  if (nb < 8)  // lanes past nb are never written: they stay 0 (the others start at their first block)
+    for (int64_t i = 0; i < 16 * 2 * 8; ++i) acc[i] = _mm512_setzero_ps();
+  auto slot_at = [&](int64_t b) { return ring + (b % kRing) * (kBlockTiles<Q4> / 4); };
   int rows = 16;
   configure_tiles<Q4>(rows);
-  Job prev{0, 0, 0, nullptr, nullptr, nullptr};
-  bool have_prev = false;
-  int64_t ci = 0, ji = 0;  // chunks and jobs so far: their parity picks the buffers
-  for (int64_t n = n0; n < n1; n += kChunk, ++ci) {
-    const int64_t cn = n + kChunk < n1 ? kChunk : n1 - n, ws = ci & 1;
-    pack_chunk<Q4>(a, n, cn, wt(ws), dv(ws), mv(ws));
-    for (int64_t m0 = 0; m0 < a.M; m0 += 16, ++ji) {
-      const Job job{m0, n, cn, dv(ws), mv(ws), cb(ji & 1)};
+  for (int64_t n = n0; n < n1; n += kChunk) {
+    const int64_t cn = n + kChunk < n1 ? kChunk : n1 - n, halves = cn > 16 ? 2 : 1;
+    pack_chunk<Q4>(a, n, cn, wt, dv, mv);
+    for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
       const int tr = static_cast<int>(a.M - m0 < 16 ? a.M - m0 : 16);
       if (tr != rows) configure_tiles<Q4>(rows = tr);  // (a new configuration clears the tiles: none is live here)
-      for (int64_t b = 0; b < nb; ++b) {
-        block_tiles<Q4>(a, m0, b, wt(ws), cb(ji & 1));
-        if (have_prev) epilogue_units<Q4>(a, prev, b * 32 / nb, (b + 1) * 32 / nb);
+      for (int64_t b = 0; b < nb + kLag; ++b) {
+        if (b < nb) block_tiles<Q4>(a, m0, b, wt, slot_at(b));
+        if (b >= kLag) epilogue_block<Q4>(a, slot_at(b - kLag), dv, mv, m0, tr, halves, b - kLag, acc);
       }
-      prev = job;
-      have_prev = true;
+      epilogue_out(a, acc, m0, tr, n, cn);
     }
   }
-  if (have_prev) epilogue_units<Q4>(a, prev, 0, 32);
   _tile_release();
 }
 
