@@ -209,7 +209,7 @@ static inline void epilogue_out(const QArgs16& a, const __m512* acc, int64_t m0,
 
 // C tiles stay in L1: a block's tiles go to a ring of kRing slots and its epilogue runs kLag blocks later, when the
 // stores are done, so they are read back from L1 soon after. (The tile unit does not run beside the epilogue's
-// 512-bit FP ops on Sapphire Rapids: bench/amx_overlap.c; a block costs tiles + epilogue.) Holding a whole
+// 512-bit FP ops on Sapphire Rapids: bench/amx_overlap.cpp; a block costs tiles + epilogue.) Holding a whole
 // job's tiles instead (nb slots: 40 KB for Q4, 77 KB for Q8 at K = 576, double-buffered, so in L2) made the
 // head's Q8 calls 1.1-1.3x slower at 32 rows; Q4 calls take the same time either way (bench/RESULTS.md).
 static constexpr int64_t kLag = 2, kRing = 3;
