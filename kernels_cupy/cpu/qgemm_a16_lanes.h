@@ -10,11 +10,12 @@
 //   group is 16 vpmaddwd summed straight into its 8 block sums, no reduction.
 // - a tail of rem = nb % 8 in 1..4 blocks (K = 576 has 18 blocks: 2 full groups and 2 blocks) in a span group
 //   instead of a group padded to 8 blocks (which spends 16 steps on 2 blocks): span = 1, 2 or 4 (rem rounded
-//   up), each block spread over S = 8 / span lanes, 2 * span steps; step s, lane l, word h holds element
-//   (s * S + l % S) * 2 + h of tail block l / S (zeros past rem). The S lanes of a block are summed (span_sums)
-//   into lane i, so the tail ends like any group: blocks 8 * ngl + i in lanes i, d = m = sa = xsum = 0 past nb.
-//   Lanes past rem then hold some integer; times d * sa = 0 it adds a signed zero, which leaves the fp32 lane
-//   as it was (it starts at +0, and a sum is -0 only when both terms are), as numerics 3's padding blocks do.
+//   up), 32 * span codes, laid out per instruction set (qgemm_a16_tail.h): 512-bit (VNNI) spreads each block
+//   over S = 8 / span lanes of a 256-bit step, 2 * span steps; 256-bit (AVX2) over H = 4 / span lanes of a
+//   128-bit step, 4 * span steps, so that one vpmaddwd serves two columns (one a half). Either way the tail ends
+//   like any group: blocks 8 * ngl + i in lanes i, d = m = sa = xsum = 0 past nb. Lanes past rem then hold
+//   some integer; times d * sa = 0 it adds a signed zero, which leaves the fp32 lane as it was (it starts at
+//   +0, and a sum is -0 only when both terms are), as numerics 3's padding blocks do.
 //
 // Blocking: each thread widens its columns once a call, a panel at a time (kPanel16 bytes, L2-resident); for
 // each block of rows (kRowBlock16 bytes of codes, L2) each micro-tile of kColsLanes columns (L1) runs over
@@ -44,13 +45,23 @@ static inline int lane_elem(int bits, int s, int h) {
   return 4 * (s / 4) + 2 * h + off[s % 4];
 }
 
-// Tail block i's 32 codes in natural order (c) -> their words of the span group t: in step s, lanes
-// i S .. i S + S - 1 hold elements 2 S s .. 2 S s + 2 S - 1, in order (S = 8 / SPAN; fixed-size copies).
+// Tail block i's 32 codes in natural order (c) -> their words of the span group t (fixed-size copies).
+#if QG_VNNI
+// Step s (16 words), lanes i S .. i S + S - 1 hold elements 2 S s .. 2 S s + 2 S - 1, in order (S = 8 / SPAN).
 template <int SPAN>
 static inline void to_span(const int16_t* c, int i, int16_t* t) {
   constexpr int S = 8 / SPAN;
   for (int s = 0; s < 2 * SPAN; ++s) std::memcpy(t + 16 * s + 2 * S * i, c + 2 * S * s, 4 * S);
 }
+#else
+// Step s (8 words, a 128-bit half), lanes i H .. i H + H - 1 hold elements 2 H s .. 2 H s + 2 H - 1, in order
+// (H = 4 / SPAN, 4 * SPAN steps).
+template <int SPAN>
+static inline void to_span(const int16_t* c, int i, int16_t* t) {
+  constexpr int H = 4 / SPAN;
+  for (int s = 0; s < 4 * SPAN; ++s) std::memcpy(t + 8 * s + 2 * H * i, c + 2 * H * s, 4 * H);
+}
+#endif
 
 static inline void to_span(const int16_t* c, int span, int i, int16_t* t) {
   switch (span) {
@@ -63,17 +74,6 @@ static inline void to_span(const int16_t* c, int span, int i, int16_t* t) {
 // The 8 lanes of a, which hold blocks (0, 2, 4, 6, 1, 3, 5, 7), in block order.
 static inline __m256i lanes_in_order(__m256i a) {
   return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// A span group's partial sums -> the tail blocks' sums in lanes 0 .. span-1 (lanes past them: any value,
-// their d is 0). Integer adds: exact in any order.
-template <int SPAN>
-static inline __m256i span_sums(__m256i v) {
-  v = _mm256_add_epi32(v, _mm256_srli_epi64(v, 32));                                 // pairs: lanes 0, 2, 4, 6
-  if constexpr (SPAN <= 2) v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0x4E));   // quads: lanes 0, 4
-  if constexpr (SPAN == 1) v = _mm256_add_epi32(v, _mm256_permute2x128_si256(v, v, 0x01));  // all: lane 0
-  const __m256i idx = SPAN == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0) : _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
-  return _mm256_permutevar8x32_epi32(v, idx);
 }
 
 // An empty asm on an accumulator: integer adds are associative, and GCC would otherwise rebalance a chain of
@@ -179,20 +179,7 @@ static inline void lane_group_end(const QArgs16& a, const Col16* c, int64_t m0, 
   }
 }
 
-// The span group: 2 * SPAN steps, each block's lanes summed, then the usual end.
-template <int R, int C, bool Q4, int SPAN>
-static inline void span_group(const QArgs16& a, const Col16* c, const Lanes16& L, const int16_t* const* xr,
-                              int64_t m0, __m256 acc[R][C]) {
-  const int16_t* xg[R];
-  const int16_t* wg[C];
-  for (int r = 0; r < R; ++r) xg[r] = xr[r] + L.ngl * kGroup16;
-  for (int j = 0; j < C; ++j) wg[j] = c[j].w + L.ngl * kGroup16;
-  __m256i s[R][C];
-  lane_steps<R, C, 2 * SPAN>(xg, wg, s);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) s[r][j] = span_sums<SPAN>(s[r][j]);
-  lane_group_end<R, C, Q4>(a, c, m0, L.ngl, s, acc);
-}
+#include "qgemm_a16_tail.h"
 
 // Rows m0 .. m0+R-1 against the C widened columns c (output columns n0 ..).
 template <int R, int C, bool Q4>
@@ -222,11 +209,14 @@ static inline void micro_lanes(const QArgs16& a, const Lanes16& L, const Col16* 
     for (int j = 0; j < C; ++j) store16(a, m0 + r, n0 + j, acc[r][j]);
 }
 
+// The micro-tile. 256-bit (16 ymm): 3 rows x 2 columns keeps the 6 block sums, the 6 fp32 lanes, 2 weight
+// vectors and an activation vector in registers; 2 x 4 spilled its fp32 lanes to the stack at every group end and
+// ran 6-8% slower at K = 576 on Zen 1 (2-4% at K = 1536; bench/RESULTS.md). VNNI (32 zmm) keeps 2 x 4.
 #ifndef QG_A16_ROWS
-#define QG_A16_ROWS 2
+#define QG_A16_ROWS (QG_VNNI ? 2 : 3)
 #endif
 #ifndef QG_A16_COLS
-#define QG_A16_COLS 4
+#define QG_A16_COLS (QG_VNNI ? 4 : 2)
 #endif
 static constexpr int kRowsLanes = QG_A16_ROWS;  // rows a micro-tile
 static constexpr int kColsLanes = QG_A16_COLS;  // columns a micro-tile
@@ -245,6 +235,8 @@ template <int C, bool Q4>
 static inline void cols_rows(const QArgs16& a, const Lanes16& L, const Col16* c, int64_t m0, int64_t m1, int64_t n) {
   int64_t m = m0;
   for (; m + kRowsLanes <= m1; m += kRowsLanes) micro_lanes<kRowsLanes, C, Q4>(a, L, c, m, n);
+  if constexpr (kRowsLanes > 2)
+    for (; m + 2 <= m1; m += 2) micro_lanes<2, C, Q4>(a, L, c, m, n);
   for (; m < m1; ++m) micro_lanes<1, C, Q4>(a, L, c, m, n);
 }
 

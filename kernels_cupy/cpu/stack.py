@@ -23,9 +23,8 @@ def load_stack() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         included = ["qgemm.cpp", "paged_decode.cpp", "fused_ops.cpp", "paged_decode_avx2.h", "paged_decode_avx512.h",
-                    "qgemm_core.h",
-                    "qgemm_impl.h", "qgemm_a16.h", "qgemm_a16_lanes.h", "qgemm_a16_widen.h", "qgemm_a16_amx.h", "simd_exp.h",
-                    "kv_write.h", "fgemm.h", "lora_add.h"]
+                    "qgemm_core.h", "qgemm_impl.h", "qgemm_a16.h", "qgemm_a16_lanes.h", "qgemm_a16_tail.h",
+                    "qgemm_a16_widen.h", "qgemm_a16_amx.h", "simd_exp.h", "kv_write.h", "fgemm.h", "lora_add.h"]
         return load_extension("kvgate_cpu_decode_stack", [_DIR / "decode_stack.cpp"],
                               headers=[_DIR / s for s in included],
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
