@@ -3,8 +3,8 @@
 // or "MISMATCH") and the fastest of repeated calls (activation quantization included), in GMAC/s.
 // Compiling it against two trees' headers times two versions of the kernel in one sitting:
 //   g++ -O3 -ffp-contract=off -std=c++17 -Ikernels_cupy/cpu bench/qgemm16_harness.cpp -o /tmp/h16_new
-//   mkdir -p /tmp/old && for f in qgemm_core.h qgemm_impl.h qgemm_a16.h; do
-//     git show <rev>:kernels_cupy/cpu/$f > /tmp/old/$f; done
+//   mkdir -p /tmp/old && for f in $(git ls-tree --name-only <rev> kernels_cupy/cpu/ | grep '/qgemm.*\.h$'); do
+//     git show <rev>:$f > /tmp/old/$(basename $f); done
 //   g++ -O3 -ffp-contract=off -std=c++17 -I/tmp/old bench/qgemm16_harness.cpp -o /tmp/h16_old
 //   for i in 1 2 3; do /tmp/h16_old; /tmp/h16_new; done   # alternate, keep each line's best
 // Arguments: [bits 4|8] [shapes: 4 = the model's, 12 = also odd block counts (1-12 blocks)].
