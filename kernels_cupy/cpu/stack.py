@@ -23,10 +23,10 @@ def load_stack() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         included = ["qgemm.cpp", "paged_decode.cpp", "fused_ops.cpp", "paged_decode_avx2.h", "paged_decode_avx512.h",
-                    "qgemm_core.h", "qgemm_impl.h", "qgemm_a16.h", "qgemm_a16_lanes.h", "qgemm_a16_tail.h",
-                    "qgemm_a16_widen.h", "qgemm_a16_amx.h", "simd_exp.h", "kv_write.h", "fgemm.h", "lora_add.h"]
+                    "simd_exp.h", "kv_write.h", "fgemm.h", "lora_add.h"]
+        # Every qgemm*.h as load_qgemm globs them: a header the GEMM gains is part of the build key here too.
         return load_extension("kvgate_cpu_decode_stack", [_DIR / "decode_stack.cpp"],
-                              headers=[_DIR / s for s in included],
+                              headers=[_DIR / s for s in included] + sorted(_DIR.glob("qgemm*.h")),
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: the module path runs
         log.warning("CPU decode stack unavailable (%s); decode steps run the model's modules", e)
