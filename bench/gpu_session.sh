@@ -5,7 +5,8 @@
 #
 #   run: bash bench/gpu_session.sh   (WHL_DIR: wheels of what the device image lacks; TOK_DIR: smollm2's tokenizer)
 #   STAGES="kernels attention" bash bench/gpu_session.sh   runs a subset
-#   stages: env prebuild lorastack graphs tests kernels e2e throughput attention serve sanitizer
+#   stages: env prebuild lorastack graphs tests kernels e2e throughput attention serve sanitizer isa
+#   isa: the host CPU's SIMD paths (AVX-512 VNNI, AMX where present) against the scalar reference, no GPU needed
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 DEVICE=${DEVICE:-cuda}
@@ -77,7 +78,25 @@ serve_check() {  # kvgate serve on the device with a random-weight smollm2-shape
     done
 }
 
-export -f env_info serve_check
+isa_check() {  # the A16 GEMM harness on the host CPU: every path bit-equal to scalar, and one thread's GMAC/s
+    lscpu | grep -E "Model name|^CPU\(s\)|family|Model:" || true
+    grep -o -w -E "avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|amx_tile|amx_int8|amx_bf16" /proc/cpuinfo \
+        | sort | uniq -c || true
+    g++ -O3 -ffp-contract=off -std=c++17 -Ikernels_cupy/cpu bench/qgemm16_harness.cpp -o /tmp/h16 || return 1
+    local run  # one harness per core at once (each is one thread): "isa bits shapes"
+    for run in "best 4 12" "best 8 12" "vnni 4 12" "vnni 8 12" "avx2 4 4" "avx2 8 4"; do
+        set -- $run
+        KVGATE_QGEMM_ISA=$1 /tmp/h16 "$2" "$3" >"/tmp/h16_$1_$2.txt" &
+    done
+    wait
+    for run in best_4 best_8 vnni_4 vnni_8 avx2_4 avx2_8; do
+        echo "-- $run: ok $(grep -c ' ok$' "/tmp/h16_$run.txt") MISMATCH $(grep -c MISMATCH "/tmp/h16_$run.txt")"
+        grep -E "K=  576 M=(   1|  16| 512) |K= 1536 M=(   1|  16| 512) " "/tmp/h16_$run.txt"
+    done
+    tail -n +1 /tmp/h16_*.txt >"$OUT/h16_all.txt"  # every line, for the RESULTS tables
+}
+
+export -f env_info serve_check isa_check
 export OUT DEVICE PY TOK_DIR SERVE_DTYPE SERVE_CS SERVE_OUT SANITIZE_TESTS
 
 if want env; then
@@ -128,6 +147,13 @@ if want sanitizer; then  # a few small cases under memcheck and racecheck (slow:
             -p no:cacheprovider -q ${SANITIZE_TESTS:-"tests/test_kernels_gpu.py::test_never_reads_unwritten_slots[always]" \
             "tests/test_kernels_gpu.py::test_decode_grid[always-8-2048-smollm2-fp16]"}
     done
+fi
+if want isa; then  # the CPU paths this workplace's 2-core machines may lack, then their tests (tiny models only)
+    stage isa "${ISA_LIMIT:-150}" bash -c isa_check
+    stage isa "${ISA_TESTS_LIMIT:-300}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 280 \
+        -n "${XDIST:-8}" -k "not smollm2" ${ISA_TESTS:-tests/test_qgemm_a16.py tests/test_quantization.py \
+        tests/test_fgemm.py tests/test_decode_stack.py tests/test_determinism.py tests/test_cpu_kernel.py \
+        tests/test_kv_int8.py tests/test_lora_add_kernel.py}
 fi
 echo "== summary"
 cat "$SUMMARY"
