@@ -27,7 +27,7 @@ from kernels_cupy.cpu import load  # noqa: E402
 from kernels_cupy.cpu.backend import CpuAttentionBackend, chunk_as_decode_rows  # noqa: E402
 from kernels_cupy.torch_ref import TorchAttentionBackend  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -217,7 +217,7 @@ template <typename KV>
 static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
                          const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
                          int64_t D, int64_t G, float sc, float* scores, float* tmp, float* slots, int64_t pfw,
-                         float* red) {
+                         float* red, float* vrows) {
   const int64_t CH = kChunk;
 #ifdef KVGATE_DECODE_AVX2
   if (codes_fn() == codes_avx2) {  // set_kv_isa("scalar") keeps the portable loops (tests compare the two)
@@ -237,7 +237,8 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
     }
 #endif
 #define KVGATE_GROUP(V) \
-  return avx2dec::attend_group<KV, V>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots, pfw)
+  return avx2dec::attend_group<KV, V>(q, qs, lens, nr, kp, vp, bt, t0, t1, BS, Hkv, h, W, G, CH, sc, scores, slots, \
+                                      pfw, vrows)
     switch (D) {
       case 16: KVGATE_GROUP(2);
       case 32: KVGATE_GROUP(4);
@@ -301,12 +302,13 @@ struct Call {
 
 // A thread's scratch: scores (kGroupRows, G, CH), tmp (D), slots (kGroupRows, G * (D + 2)) for one KV head's
 // chunk, state (Hkv, kGroupRows, G * (D + 2)) for every head's running merge, red (kGroupRows, G, 8, 8) the
-// AVX-512 body's eight positions of unreduced dot products.
+// AVX-512 body's eight positions of unreduced dot products, vrows (CH, D) + (CH) the AVX2 body's widened V rows
+// and their scales.
 struct Scratch {
-  std::vector<float> scores, tmp, slots, state, red;
+  std::vector<float> scores, tmp, slots, state, red, vrows;
   Scratch(int64_t G, int64_t D, int64_t Hkv)
       : scores(kGroupRows * G * kChunk), tmp(D), slots(kGroupRows * G * (D + 2)), state(Hkv * slots.size()),
-        red(kGroupRows * G * 64) {}
+        red(kGroupRows * G * 64), vrows(kChunk * (D + 1)) {}
 };
 
 // Groups of up to kGroupRows consecutive rows whose lengths do not shrink and whose block tables agree over
@@ -340,7 +342,8 @@ static int64_t run_chunk(const Call<KV>& c, int64_t gi, int64_t h, int64_t ch, S
   const int64_t t1 = std::min<int64_t>(t0 + kChunk, lens[nr - 1]);
   attend_group<KV>(c.q + ((r0 + rf) * c.Hq + h * c.G) * c.D, c.Hq * c.D, lens + rf, nr - rf, c.k, c.v,
                    c.bt + (r0 + nr - 1) * c.MAXB, t0, t1, c.BS, c.Hkv, h, c.W, c.D, c.G, c.sc, s.scores.data(),
-                   s.tmp.data(), s.slots.data() + rf * c.S(), h == 0 ? c.Hkv * c.W : 0, s.red.data());
+                   s.tmp.data(), s.slots.data() + rf * c.S(), h == 0 ? c.Hkv * c.W : 0, s.red.data(),
+                   s.vrows.data());
   return rf;
 }
 

@@ -127,19 +127,27 @@ struct Prefetcher {
 // pfw: elements of each position's K and V to prefetch from the position's first KV head on (the caller runs a
 // chunk's KV heads back to back: the first prefetches every head's rows, Hkv * W contiguous elements, the others
 // pass 0 and find theirs in cache).
+// vrows: (CH, D) + (CH) scratch: the chunk's V rows widened to fp32 once, and their scales. The V pass reads every
+// row G * nr times (each query head of each row); widening it each time (vcvtph2ps) was most of that pass.
 template <typename KV, int V>
 static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_t nr, const KV* kp, const KV* vp,
                          const int32_t* bt, int64_t t0, int64_t t1, int64_t BS, int64_t Hkv, int64_t h, int64_t W,
-                         int64_t G, int64_t CH, float sc, float* scores, float* slots, int64_t pfw) {
+                         int64_t G, int64_t CH, float sc, float* scores, float* slots, int64_t pfw, float* vrows) {
   constexpr int64_t D = 8 * V;
   const int64_t S = G * (D + 2);  // a row's slot: acc (G, D), m (G), l (G)
+  float* vscale = vrows + CH * D;  // (CH): each V row's scale (1 but for int8 rows)
   int64_t blk = t0 / BS, off = t0 % BS, rf = 0;
   Prefetcher<KV> pf(kp, vp, bt, t0, t1, BS, Hkv, h, W, pfw);  // K rows for this pass, V rows for the next
   for (int64_t t = t0; t < t1; ++t) {  // scores (nr, G, CH): each K row widened once, into registers
     pf.ahead();
     while (lens[rf] <= t) ++rf;  // rows [rf, nr) see position t
-    const KV* kr = kp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
+    const int64_t at = ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
+    const KV* kr = kp + at;
     if (++off == BS) { off = 0; ++blk; }
+    const KV* vr = vp + at;  // widened here, where its address is at hand, for the V pass below
+    float* vw = vrows + (t - t0) * D;
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(vw + 8 * v, load8(vr + 8 * v));
+    vscale[t - t0] = row_scale(vr, D);
     __m256 k[V];
     for (int v = 0; v < V; ++v) k[v] = load8(kr + 8 * v);
     const float s = row_scale(kr, D) * sc;
@@ -166,12 +174,10 @@ static void attend_group(const float* q, int64_t qs, const int32_t* lens, int64_
       __m256 a[V];
       for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
       const float* pg = scores + (r * G + g) * CH;
-      blk = t0 / BS, off = t0 % BS;
-      for (int64_t t = 0; t < n; ++t) {
-        const KV* vr = vp + ((static_cast<int64_t>(bt[blk]) * BS + off) * Hkv + h) * W;
-        if (++off == BS) { off = 0; ++blk; }
-        const __m256 p = _mm256_set1_ps(pg[t] * row_scale(vr, D));
-        for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, load8(vr + 8 * v), a[v]);
+      for (int64_t t = 0; t < n; ++t) {  // the same products in the same order as from the cache row itself
+        const __m256 p = _mm256_set1_ps(pg[t] * vscale[t]);
+        const float* vw = vrows + t * D;
+        for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vw + 8 * v), a[v]);
       }
       for (int v = 0; v < V; ++v) _mm256_storeu_ps(slots + r * S + g * D + 8 * v, a[v]);
     }
