@@ -58,7 +58,7 @@ generate: setup
 
 test: setup redis-server postgresql chromium
 	$(PY) -m mypy --follow-imports=silent workers ipc common gateway tenancy chaos console kernels_cupy
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30  # the slowest 30 in every CI log: where its minutes go
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -149,7 +149,7 @@ if want sanitizer; then  # a few small cases under memcheck and racecheck (slow:
     done
 fi
 if want isa; then  # the CPU paths this workplace's 2-core machines may lack, then their tests (tiny models only)
-    stage isa "${ISA_LIMIT:-150}" bash -c isa_check
+    [ "${ISA_HARNESS:-1}" = 1 ] && stage isa "${ISA_LIMIT:-150}" bash -c isa_check  # ISA_HARNESS=0: tests only
     stage isa "${ISA_TESTS_LIMIT:-300}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 280 \
         -n "${XDIST:-8}" -k "not smollm2" ${ISA_TESTS:-tests/test_qgemm_a16.py tests/test_quantization.py \
         tests/test_fgemm.py tests/test_decode_stack.py tests/test_determinism.py tests/test_cpu_kernel.py \
