@@ -18,6 +18,12 @@ log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("paged_decode.cpp")
 
 
+def paged_decode_files() -> list[Path]:
+    """The attention kernel's source, then the headers it includes (its build key; the decode stack's too)."""
+    return [_SRC, *(_SRC.with_name(h) for h in ("paged_decode_avx2.h", "paged_decode_avx512.h", "simd_exp.h",
+                                                 "kv_write.h"))]
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> Any | None:
     """The compiled module, or None (logged once) where it cannot be had."""
@@ -28,9 +34,8 @@ def load() -> Any | None:
 
         # -ffp-contract=off in every CPU kernel build: the decode stack (stack.py) compiles these sources again
         # in one unit and must round exactly as they do.
-        headers = [_SRC.with_name(h)
-                   for h in ("paged_decode_avx2.h", "paged_decode_avx512.h", "simd_exp.h", "kv_write.h")]
-        return load_extension("kvgate_cpu_paged_decode", [_SRC], headers=headers,
+        src, *headers = paged_decode_files()
+        return load_extension("kvgate_cpu_paged_decode", [src], headers=headers,
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                               ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path

@@ -13,6 +13,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def fused_files() -> list[Path]:
+    """The fused ops' source, then the header it includes (its build key; the decode stack's too)."""
+    here = Path(__file__)
+    return [here.with_name("fused_ops.cpp"), here.with_name("simd_exp.h")]
+
+
 @functools.lru_cache(maxsize=1)
 def load_fused() -> Any | None:
     """The compiled module, or None (logged once) where it cannot be had."""
@@ -22,9 +28,9 @@ def load_fused() -> Any | None:
         from kernels_cupy.cpu.build import load_extension
 
         # -ffp-contract=off: no fused multiply-adds, so rope rounds like the torch reference, op for op.
-        here = Path(__file__)
-        return load_extension("kvgate_cpu_fused_ops", [here.with_name("fused_ops.cpp")],
-                              headers=[here.with_name("simd_exp.h")], cflags=["-O3", "-ffp-contract=off"], ldflags=[])
+        src, *headers = fused_files()
+        return load_extension("kvgate_cpu_fused_ops", [src], headers=headers, cflags=["-O3", "-ffp-contract=off"],
+                              ldflags=[])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("fused CPU ops unavailable (%s); using the torch reference ops", e)
         return None

@@ -17,6 +17,11 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 
 
+def qgemm_files() -> list[Path]:
+    """The GEMM's source, then every header it includes (its build key; the decode stack's too)."""
+    return [_DIR / "qgemm.cpp", *sorted(_DIR.glob("qgemm*.h")), _DIR / "fgemm.h", _DIR / "lora_add.h"]
+
+
 @functools.lru_cache(maxsize=1)
 def load_qgemm() -> Any | None:
     """The compiled module, or None (logged once) where it cannot be had."""
@@ -25,8 +30,8 @@ def load_qgemm() -> Any | None:
     try:
         from kernels_cupy.cpu.build import load_extension
 
-        mod = load_extension("kvgate_cpu_qgemm", [_DIR / "qgemm.cpp"],
-                             headers=sorted(_DIR.glob("qgemm*.h")) + [_DIR / "fgemm.h", _DIR / "lora_add.h"],
+        src, *headers = qgemm_files()
+        mod = load_extension("kvgate_cpu_qgemm", [src], headers=headers,
                              cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # see kernels_cupy/cpu/__init__.py
                              ldflags=["-fopenmp"])
         log.info("quantized GEMM kernel: %s path", mod.isa())

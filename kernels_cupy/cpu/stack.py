@@ -20,13 +20,15 @@ def load_stack() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0" or os.environ.get("KVGATE_DECODE_STACK", "1") == "0":
         return None
     try:
+        from kernels_cupy.cpu import paged_decode_files
         from kernels_cupy.cpu.build import load_extension
+        from kernels_cupy.cpu.fused import fused_files
+        from kernels_cupy.cpu.qgemm import qgemm_files
 
-        included = ["qgemm.cpp", "paged_decode.cpp", "fused_ops.cpp", "paged_decode_avx2.h", "paged_decode_avx512.h",
-                    "simd_exp.h", "kv_write.h", "fgemm.h", "lora_add.h"]
-        # Every qgemm*.h as load_qgemm globs them: a header the GEMM gains is part of the build key here too.
-        return load_extension("kvgate_cpu_decode_stack", [_DIR / "decode_stack.cpp"],
-                              headers=[_DIR / s for s in included] + sorted(_DIR.glob("qgemm*.h")),
+        # decode_stack.cpp compiles the three kernels' sources in one unit: their own file lists, each file once,
+        # so a header a kernel gains is part of this build key too.
+        included = list(dict.fromkeys([*qgemm_files(), *paged_decode_files(), *fused_files()]))
+        return load_extension("kvgate_cpu_decode_stack", [_DIR / "decode_stack.cpp"], headers=included,
                               cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: the module path runs
         log.warning("CPU decode stack unavailable (%s); decode steps run the model's modules", e)
