@@ -46,6 +46,17 @@ class BatchLease:
                               "(holder = ? OR expires_at < ?)",
                               (self.holder, now + self.ttl_s, LEASE_NAME, self.holder, now)) == 1
 
+    def renew(self) -> bool:
+        """Extend the lease this holder leads under; False once it was released or taken over.
+
+        Unlike ``acquire`` it never revives a released lease (``expires_at = 0``): a renewal abandoned past its
+        deadline may still commit after its holder's ``release`` (the thread runs on), and must not hold the lease
+        for another ttl_s against the gateway that should take over now. An expired but untaken lease is still
+        extended: nobody else can have run under it."""
+        with self._db.write() as tx:
+            return tx.execute("UPDATE batch_lease SET expires_at = ? WHERE name = ? AND holder = ? AND expires_at > 0",
+                              (self._clock() + self.ttl_s, LEASE_NAME, self.holder)) == 1
+
     def release(self) -> None:
         """Let another gateway take over at once (a clean shutdown) instead of after the ttl."""
         with self._db.write() as tx:

@@ -190,6 +190,19 @@ def test_the_lease_has_one_holder(tenancy: TenancyStore) -> None:
         BatchLease(tenancy.backend, "c", 0.0)
 
 
+def test_a_renewal_never_revives_a_released_lease(tenancy: TenancyStore) -> None:
+    now = [1000.0]
+    a = BatchLease(tenancy.backend, "a", 10.0, clock=lambda: now[0])
+    b = BatchLease(tenancy.backend, "b", 10.0, clock=lambda: now[0])
+    assert not a.renew()  # nothing to renew before it was taken
+    assert a.acquire() and a.renew() and a.current() == ("a", 1010.0)
+    now[0] += 15.0  # past its expiry, but nobody took it: still a's to extend
+    assert a.renew() and a.current() == ("a", 1025.0) and not b.acquire()
+    a.release()
+    assert not a.renew() and a.current() == ("a", 0.0)  # a renewal landing after the release (it was abandoned)
+    assert b.acquire() and not a.renew() and b.current() == ("b", 1025.0)  # and never one taken over
+
+
 # ---- the runner, with a stand-in for the line pipeline -------------------------------------------
 
 class FakeLines:
@@ -353,5 +366,32 @@ async def test_a_draining_runner_finishes_its_lines_and_hands_over(tmp_path: Pat
         assert b is not None and b.completed >= 2 and first.in_flight == 0  # what it started, it finished
         other = StoredBatches(tenancy.backend, "two", 2.0)
         assert await other.acquire_lease()  # released: taken over at once, not after the ttl
+        nursery.cancel_scope.cancel()
+    tenancy.close()
+
+
+@pytest.mark.trio
+@pytest.mark.usefixtures("fast")
+async def test_a_runner_stops_leading_only_once_its_lease_is_released(tmp_path: Path) -> None:
+    tenancy = TenancyStore(tmp_path / "kvgate.db", PEPPER)
+    stored, t = _setup(tenancy, "one", {"batch_s": 2})
+    release = stored.lease.release
+
+    def slow_release() -> None:  # a loaded database: the release commits well after the runner asked for it
+        time.sleep(0.5)
+        release()
+
+    stored.lease.release = slow_release  # type: ignore[method-assign]
+    draining = [False]
+    first = _runner(stored, FakeLines(t, delay=0.05), draining=draining)
+    other = StoredBatches(tenancy.backend, "two", 2.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first.run)
+        await _until(stored, t, "batch_s", "completed")
+        draining[0] = True
+        with trio.fail_after(10):
+            while first.leading:
+                await trio.sleep(0.01)
+        assert await other.acquire_lease()  # not leading means released: the next gateway takes over at once
         nursery.cancel_scope.cancel()
     tenancy.close()

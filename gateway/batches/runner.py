@@ -104,19 +104,19 @@ class BatchRunner:
                     await self._dispatch(lines)
                 nursery.cancel_scope.cancel()  # draining, and every line has ended: stop renewing
         finally:
-            self.leading = False
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 try:
                     await self._stored.release_lease()
                 except APIError:
                     pass  # it expires on its own
+            self.leading = False  # only now: whoever sees False may take the lease at once
 
     async def _keep_lease(self, lead: trio.CancelScope) -> None:
         renewed = trio.current_time()
         while True:
             await trio.sleep(LEASE_RENEW_S)
             try:
-                held: bool | None = await self._stored.acquire_lease()
+                held: bool | None = await self._stored.renew_lease()
             except APIError:
                 held = None  # unknown: keep going while the lease surely has not expired yet
             if held:

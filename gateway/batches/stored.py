@@ -91,6 +91,9 @@ class StoredBatches:
     async def acquire_lease(self) -> bool:
         return await self._call("take the runner lease", self.lease.acquire)
 
+    async def renew_lease(self) -> bool:
+        return await self._call("renew the runner lease", self.lease.renew)
+
     async def release_lease(self) -> None:
         await self._call("release the runner lease", self.lease.release)
 
