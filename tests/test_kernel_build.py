@@ -13,8 +13,10 @@ import pytest
 
 from kernels_cupy.cpu.build import build_dir, build_key
 
+# pybind11 alone, not <torch/extension.h>: the build path is the same (torch's load, our lock), the compile ~4x
+# shorter (~13 s against ~45 s on a loaded Zen 1).
 _SRC = """
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 int64_t answer() { return 42; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
 """
