@@ -67,6 +67,9 @@ def _limit_args(p: argparse._ActionsContainer) -> None:
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may run before the worker counts as hung (as frozen)")
     p.add_argument("--sse-ping-interval", type=float, default=10.0)
+    p.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                   help="seconds a stream's client may take no event (its socket full) before the gateway drops the "
+                        "stream and aborts it on its worker, freeing its KV and pending outputs")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages from this origin (scheme://host[:port], or '*') call the API from a "
                         "browser; repeatable; default: none (CORS off)")
@@ -133,7 +136,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         admission=AdmissionConfig(max_requests=a.max_queued_requests, max_prompt_tokens=a.max_queued_prompt_tokens),
         timing=TimingConfig(request_timeout=a.request_timeout, heartbeat_timeout=a.heartbeat_timeout,
                             step_timeout=a.step_timeout,
-                            sse_ping_interval=a.sse_ping_interval),
+                            sse_ping_interval=a.sse_ping_interval, stream_stall_timeout=a.stream_stall_timeout),
         observability=ObservabilityConfig(gpu_hour_cost=a.gpu_hour_cost, otlp_endpoint=a.otlp_endpoint or None,
                                           log_format=a.log_format),
         worker_security=WorkerSecurity(a.worker_keys, a.server_secret_key, a.insecure_workers))

@@ -73,6 +73,7 @@ class TimingConfig:
     heartbeat_timeout: float = 3.0  # a worker with no frame at all this long is frozen (its I/O thread is)
     step_timeout: float = 300.0  # one engine step running longer than this: hung (treated as frozen)
     sse_ping_interval: float = 10.0  # ": ping" comment while a stream waits for its next token
+    stream_stall_timeout: float = 60.0  # a stream whose client takes no event this long is dropped (and aborted)
     ipc_send_timeout: float = 5.0  # every send to a worker is bounded; past it the worker is declared dead
     restart_backoff_initial: float = 0.5
     restart_backoff_max: float = 30.0
@@ -80,8 +81,8 @@ class TimingConfig:
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
-        for name in ("heartbeat_timeout", "step_timeout", "sse_ping_interval", "ipc_send_timeout",
-                     "restart_backoff_initial", "restart_backoff_max"):
+        for name in ("heartbeat_timeout", "step_timeout", "sse_ping_interval", "stream_stall_timeout",
+                     "ipc_send_timeout", "restart_backoff_initial", "restart_backoff_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -23,5 +23,5 @@ def test_overload_quick() -> None:
 
 
 def test_slow_readers_quick() -> None:
-    """About a minute: the gateway gives a stalled stream 60 s (CONSUMER_STALL_S) before it cuts it."""
+    """The gateway gives a stalled stream --stream-stall-timeout (15 s at the quick size) before it cuts it."""
     assert_passed(run_quick("slow-readers"))

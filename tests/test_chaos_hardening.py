@@ -18,8 +18,8 @@ def test_hostile_schemas_quick() -> None:
 
 
 def test_stalled_streams_quick() -> None:
-    """About 90 s: 200 streams generate until a bound cuts them; their ledger rows land CONSUMER_STALL_S (60 s)
-    after their clients stopped reading."""
+    """200 streams generate until a bound cuts them; their ledger rows land the stall timeout (15 s at the quick
+    size) after their clients stopped reading."""
     assert_passed(run_quick("stalled-streams"))
 
 

@@ -151,7 +151,7 @@ async def test_a_producer_that_raises_ends_only_its_own_stream() -> None:
         h.push(RequestOutputMsg(rid, [5], "length", 0, None, None, None))
         fakes: Any = (_Pool(), _Asm(bad), _Builder())
         pool, asm, builder = fakes
-        producers.append(StreamProducer(Choices.single(pool, h, asm), builder, None, 10.0, _Account()))
+        producers.append(StreamProducer(Choices.single(pool, h, asm), builder, None, 10.0, 60.0, _Account()))
     events: dict[str, list[str]] = {}
     async with trio.open_nursery() as nursery:  # stands for the app-wide nursery: it must not be cancelled
         for p in producers:
@@ -164,6 +164,34 @@ async def test_a_producer_that_raises_ends_only_its_own_stream() -> None:
     assert good[-1] == DONE and json.loads(good[0][6:])["choices"][0]["finish_reason"] == "length"
     assert producers[0].account.ended == ["internal_error"]  # type: ignore[attr-defined]
     assert producers[1].account.ended == ["cancelled"]  # type: ignore[attr-defined]  # _Account.finish is a no-op
+
+
+@pytest.mark.trio
+async def test_a_stream_whose_client_takes_nothing_is_dropped_after_the_stall_timeout(autojump_clock: Any) -> None:
+    h = RequestHandle("stalled", "w0", 3)
+    for _ in range(40):  # more events than the producer's buffer holds: with no reader its put blocks
+        h.push(RequestOutputMsg("stalled", [5], None, 0, None, None, None))
+    fakes: Any = (_Pool(), _Asm(False), _Builder())
+    pool, asm, builder = fakes
+    p = StreamProducer(Choices.single(pool, h, asm), builder, None, 10.0, 7.0, _Account())
+    start = trio.current_time()
+    with trio.fail_after(600):
+        await p.run()  # nobody iterates p.events
+    assert 7.0 <= trio.current_time() - start < 8.0  # the configured stall timeout, not the 60 s default
+    assert h.released and p.account.ended == ["cancelled"]  # type: ignore[attr-defined]
+
+
+def test_serve_takes_the_stall_timeout() -> None:
+    import argparse
+
+    from gateway.cli import add_serve_parser, config_from_args
+
+    root = argparse.ArgumentParser()
+    add_serve_parser(root.add_subparsers())
+    assert config_from_args(root.parse_args(["serve"])).timing.stream_stall_timeout == 60.0
+    assert config_from_args(root.parse_args(["serve", "--stream-stall-timeout", "7"])).timing.stream_stall_timeout == 7
+    with pytest.raises(ValueError, match="stream_stall_timeout"):
+        config_from_args(root.parse_args(["serve", "--stream-stall-timeout", "0"]))
 
 
 def test_io_thread_heartbeats_while_the_engine_thread_holds_the_gil() -> None:

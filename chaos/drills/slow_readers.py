@@ -29,7 +29,9 @@ NORMAL = 4
 READ_BYTES, READ_EVERY_S = 4, 1.0
 RCVBUF = 2048  # the kernel doubles it; small, so backpressure reaches the gateway within seconds
 LOGPROBS = 20  # 20 alternatives per token make each event about 1.5 KB: the socket buffers fill in a few dozen tokens
-# The gateway's consumer-stall timeout (60 s) after the buffers fill, with room to spare (smollm2 fills them slower).
+# The gateway's --stream-stall-timeout: its default at full size; quick, 15 s, so CI does not wait a minute for it.
+STALL_S: dict[bool, float] = {True: 15.0, False: 60.0}
+# That timeout after the buffers fill, with room to spare (smollm2 fills them slower).
 CUT_WITHIN_S: dict[bool, float] = {True: 180.0, False: 400.0}
 # What a stalled stream may cost the gateway: its 16-event SSE buffer and socket buffers need well under 1 MiB.
 GATEWAY_MIB_PER_READER = 2.0
@@ -63,7 +65,8 @@ class SlowReaders(Drill):
     time_limit_s: ClassVar[tuple[float, float]] = (400.0, 1200.0)
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
-        return DeploymentSpec(sizing.model_dir, serve_args=("--max-num-seqs", "64", "--kv-cache-tokens", "131072"),
+        return DeploymentSpec(sizing.model_dir, serve_args=("--max-num-seqs", "64", "--kv-cache-tokens", "131072",
+                                                            "--stream-stall-timeout", f"{STALL_S[sizing.quick]:g}"),
                               torch_threads=1 if sizing.quick else None)
 
     def _reader_body(self, ctx: DrillContext, max_tokens: int) -> bytes:

@@ -4,8 +4,8 @@ Each client is a raw socket with a small receive buffer: its events back up thro
 its worker goes on generating. What the gateway holds for them is bounded (``gateway/base/handle.py``) by
 ``MAX_PENDING_BYTES`` (1 MiB) of untaken output per stream and the ``PendingBudget`` of all streams together
 (256 MiB; past it a stream holding over ``CUTTABLE_BYTES``, 16 KiB, is cut), both enforced at a cut that aborts
-the stream on its worker; and by ``CONSUMER_STALL_S`` (60 s, ``gateway/pipeline/streaming.py``), after which a
-stream whose client took nothing is dropped. Which comes first depends on how fast the worker makes tokens: the
+the stream on its worker; and by the gateway's ``--stream-stall-timeout`` (60 s by default; the quick size runs
+15 s so CI does not wait a minute), after which a stream whose client took nothing is dropped. Which comes first depends on how fast the worker makes tokens: the
 drill reports it (the pool logs each cut by a bound), and judges what must hold either way. No flag or variable
 sets the budget (``WorkerPool`` makes ``PendingBudget()`` with its default), so the drill sizes the load: every
 stream runs at once, and at the default size the per-stream bounds alone would allow 1,000 MiB.
@@ -51,7 +51,7 @@ MAX_TOKENS = 4000  # far past any bound: every stream is cut, none finishes
 # streams at once, and what the allocator keeps of cut streams' freed outputs (the handle's estimate counts only
 # the outputs' own objects). Without the global budget 1,000 streams would reach ~1.4 GiB, past 2 x 272 MiB.
 RSS_FACTOR = 2.0
-ROWS_WITHIN_S = 120.0  # CONSUMER_STALL_S (60 s, gateway/pipeline/streaming.py) and then some
+ROWS_AFTER_STALL_S = 60.0  # ledger rows land a stall timeout after the last event went out, and then some
 BILLING_SLACK_TOKENS = 8  # per stream: tokens a worker makes between the gateway's cut and the abort reaching it
 PENDING = "kvgate:ipc_pending_outputs"
 GENERATED = "vllm:generation_tokens_total"
@@ -65,6 +65,11 @@ CUT_LOG = "cut: its client fell too far behind"  # gateway/fleet/pool.py, once a
 class Size:
     streams: int
     cut_within_s: float  # until the worker holds nothing for them (the bounds cut, aborts reach the worker)
+    stall_s: float  # the deployment's --stream-stall-timeout
+
+    @property
+    def rows_within_s(self) -> float:
+        return self.stall_s + ROWS_AFTER_STALL_S
 
 
 def pending_bound(streams: int) -> int:
@@ -131,17 +136,17 @@ class StalledStreams(Drill):
     needs_processes = True
     _cuts_before = 0
     time_limit_s: ClassVar[tuple[float, float]] = (600.0, 1500.0)
-    SIZES: ClassVar[dict[bool, Size]] = {True: Size(200, 240.0), False: Size(1000, 600.0)}
+    SIZES: ClassVar[dict[bool, Size]] = {True: Size(200, 240.0, 15.0), False: Size(1000, 600.0, 60.0)}
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
         from chaos.tiny_model import tiny_model_dir
 
-        n = self.SIZES[sizing.quick].streams
+        n, stall = self.SIZES[sizing.quick].streams, self.SIZES[sizing.quick].stall_s
         # Every stream runs at once (so all of them fill their buffers together); the KV holds each one's
         # prompt and the tokens it makes until its cut (~400), with room to spare.
         return DeploymentSpec(str(tiny_model_dir()), torch_threads=1, serve_args=(
             "--max-num-seqs", str(n + 16), "--max-queued-requests", str(n + 64),
-            "--kv-cache-tokens", str((n + 16) * 768)))
+            "--kv-cache-tokens", str((n + 16) * 768), "--stream-stall-timeout", f"{stall:g}"))
 
     async def run(self, ctx: DrillContext, result: DrillResult) -> None:
         size = self.SIZES[ctx.sizing.quick]
@@ -169,7 +174,7 @@ class StalledStreams(Drill):
         result.add(check(f"the worker holds nothing for them within {size.cut_within_s:g}s, sockets still open",
                          held.freed_after is not None,
                          "never" if held.freed_after is None else f"after {held.freed_after:.0f}s"))
-        result.add(check(f"a ledger row for every admitted stream within {ROWS_WITHIN_S:g}s, sockets still open",
+        result.add(check(f"a ledger row for every admitted stream within {size.rows_within_s:g}s, sockets still open",
                          held.rows_after is not None, f"{held.rows} of {held.admitted} rows" + (
                              "" if held.rows_after is None else
                              f", the last {held.rows_after:.0f}s after the worker was freed")))
@@ -194,7 +199,7 @@ class StalledStreams(Drill):
             freed_after = await self._wait_freed(ctx, size.cut_within_s)
             ctx.say(f"the worker holds nothing for them after {freed_after or -1:.0f}s; waiting for their ledger rows")
             admitted = sum(1 for c in clients if c.status == 200)
-            rows, rows_after = await self._wait_rows(ctx, since, admitted)
+            rows, rows_after = await self._wait_rows(ctx, since, admitted, size.rows_within_s)
             stop.set()
         return Held(admitted, served, how, freed_after, rows, rows_after)
 
@@ -218,8 +223,8 @@ class StalledStreams(Drill):
 
     def _cuts(self, ctx: DrillContext, result: DrillResult, admitted: int) -> None:
         """Which mechanism cut the streams: the pool logs each cut by a pending bound (per stream or the global
-        budget; its KV is freed at once); the rest ended when their producer had waited CONSUMER_STALL_S (60 s)
-        on a client that took nothing. Reported, not judged: which comes first is a matter of how fast the
+        budget; its KV is freed at once); the rest ended when their producer had waited the stall timeout on a
+        client that took nothing. Reported, not judged: which comes first is a matter of how fast the
         worker generates, and either bounds what the gateway holds."""
         if ctx.deployment is None:
             return
@@ -227,13 +232,14 @@ class StalledStreams(Drill):
         result.measurements["cut_by_pending_bounds"] = by_bounds
         result.measurements["cut_by_consumer_stall"] = max(0, admitted - by_bounds)
 
-    async def _wait_rows(self, ctx: DrillContext, since: float, admitted: int) -> tuple[int | None, float | None]:
+    async def _wait_rows(self, ctx: DrillContext, since: float, admitted: int,
+                         within: float) -> tuple[int | None, float | None]:
         """The load key's row count once it reaches ``admitted`` (and after how long), or where it stood after
-        ROWS_WITHIN_S. A stream cut by a bound has its row written when its producer gives up on the client
-        (CONSUMER_STALL_S after its last event went out), not at the cut: the sockets stay open meanwhile."""
+        ``within`` s. A stream cut by a bound has its row written when its producer gives up on the client (the
+        stall timeout after its last event went out), not at the cut: the sockets stay open meanwhile."""
         start = trio.current_time()
         n = await ledger.count(ctx.client, ctx.target, since)
-        with trio.move_on_after(ROWS_WITHIN_S):
+        with trio.move_on_after(within):
             while n is not None and n < admitted:
                 await trio.sleep(1.0)
                 n = await ledger.count(ctx.client, ctx.target, since)

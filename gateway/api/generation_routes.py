@@ -129,7 +129,8 @@ async def run_generation(kind: str, rt: RequestTrace) -> Response:
     timeout = cfg.timing.request_timeout
     if not req.stream:
         return json_response(await complete(choices, builder, timeout, account))
-    producer = StreamProducer(choices, builder, timeout, cfg.timing.sse_ping_interval, account)
+    producer = StreamProducer(choices, builder, timeout, cfg.timing.sse_ping_interval,
+                              cfg.timing.stream_stall_timeout, account)
     return start_stream(producer, principal.tenant_name)
 
 

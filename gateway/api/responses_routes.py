@@ -71,7 +71,8 @@ async def run_create(rt: RequestTrace) -> Response:
         if save is not None:
             await save(final)
         return json_response(final)
-    stream = ResponsesStream(choices, draft, timeout, cfg.timing.sse_ping_interval, account, save)
+    stream = ResponsesStream(choices, draft, timeout, cfg.timing.sse_ping_interval, cfg.timing.stream_stall_timeout,
+                             account, save)
     return start_stream(stream, principal.tenant_name)
 
 

@@ -30,7 +30,7 @@ from gateway.pipeline.responses import ResponseBuilder
 log = logging.getLogger("kvgate.gateway.streaming")
 
 SSE_BUFFER = 16  # events between producer and client; a slow client applies backpressure past it
-CONSUMER_STALL_S = 60.0  # a client that takes nothing for this long is treated as gone
+CONSUMER_STALL_S = 60.0  # default of --stream-stall-timeout: a client that takes nothing this long is gone
 DONE = "data: [DONE]\n\n"
 PING = ": ping\n\n"
 
@@ -177,9 +177,10 @@ class EventProducer:
     ``gateway.responses.run``); run it with ``nursery.start_soon(producer.run)``. A subclass writes ``_stream``
     (its events, through ``_put``) and ``_fail`` (what a failure after the 200 looks like)."""
 
-    def __init__(self, choices: Choices, timeout: float | None, ping_interval: float, account: Account) -> None:
+    def __init__(self, choices: Choices, timeout: float | None, ping_interval: float, stall_timeout: float,
+                 account: Account) -> None:
         self.choices = choices
-        self.timeout, self.ping_interval = timeout, ping_interval
+        self.timeout, self.ping_interval, self.stall_timeout = timeout, ping_interval, stall_timeout
         self.account = account
         self.status = "cancelled"  # the ledger's word for this stream unless it completes or fails
         self.scope = trio.CancelScope()
@@ -190,7 +191,7 @@ class EventProducer:
         return SSEBody(self.events, self.scope)
 
     async def _put(self, event: str) -> None:
-        with trio.move_on_after(CONSUMER_STALL_S):
+        with trio.move_on_after(self.stall_timeout):
             await self._send.send(event)
             self._last_put = trio.current_time()
             return
@@ -230,8 +231,8 @@ class StreamProducer(EventProducer):
     """A chat or completion stream: chunks, then the usage chunk when asked for, then ``[DONE]``."""
 
     def __init__(self, choices: Choices, builder: ResponseBuilder, timeout: float | None, ping_interval: float,
-                 account: Account) -> None:
-        super().__init__(choices, timeout, ping_interval, account)
+                 stall_timeout: float, account: Account) -> None:
+        super().__init__(choices, timeout, ping_interval, stall_timeout, account)
         self.builder = builder
 
     async def _emit(self, _: Child, d: Delta) -> None:

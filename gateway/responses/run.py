@@ -39,8 +39,8 @@ class ResponsesStream(EventProducer):
     """One Responses stream: its typed events; the stored response written before ``response.completed``."""
 
     def __init__(self, choices: Choices, draft: ResponseDraft, timeout: float | None, ping_interval: float,
-                 account: Account, save: Save | None) -> None:
-        super().__init__(choices, timeout, ping_interval, account)
+                 stall_timeout: float, account: Account, save: Save | None) -> None:
+        super().__init__(choices, timeout, ping_interval, stall_timeout, account)
         self.draft, self.save = draft, save
 
     async def _emit(self, _: Child, d: Delta) -> None:
