@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -108,12 +109,14 @@ def test_an_extension_built_under_a_static_only_cxx_formats_its_errors(static_cx
     env = {"CXX": str(static_cxx), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     # The hazard itself, through torch's own load with that compiler: the message loses its number (or the
     # process dies, as on the H100 image). Without this the check below could not fail.
-    bare = _run("import torch.utils.cpp_extension as ce\n"
-                f"m = ce.load('kvgate_cxx_bare', [{str(src)!r}], build_directory={str(tmp_path)!r}, "
-                "extra_cflags=['-O0'])\n" + _CALL, env)
-    assert "ERROR: value 3 is not negative" not in bare, bare
+    bare_code = ("import torch.utils.cpp_extension as ce\n"
+                 f"m = ce.load('kvgate_cxx_bare', [{str(src)!r}], build_directory={str(tmp_path)!r}, "
+                 "extra_cflags=['-O0'])\n" + _CALL)
     # Through build.load_extension: built with a compiler that links the shared libstdc++, the error is whole.
-    ours = _run("from pathlib import Path\nfrom kernels_cupy.cpu.build import load_extension\n"
-                f"m = load_extension('kvgate_cxx_ours', [Path({str(src)!r})], cflags=['-O0'], ldflags=[])\n"
-                + _CALL, env)
+    ours_code = ("from pathlib import Path\nfrom kernels_cupy.cpu.build import load_extension\n"
+                 f"m = load_extension('kvgate_cxx_ours', [Path({str(src)!r})], cflags=['-O0'], ldflags=[])\n"
+                 + _CALL)
+    with ThreadPoolExecutor(2) as pool:  # two builds in two directories, side by side
+        bare, ours = pool.map(lambda code: _run(code, env), (bare_code, ours_code))
+    assert "ERROR: value 3 is not negative" not in bare, bare
     assert "ERROR: value 3 is not negative" in ours, ours
