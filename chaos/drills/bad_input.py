@@ -58,10 +58,7 @@ class BadInput(Drill):
         paths = r.json().get("paths", {}) if r.status_code == 200 else {}
         result.add(check("/openapi.json is published", bool(paths), f"HTTP {r.status_code}, {len(paths)} paths"))
         if paths:
-            result.add(await self._fuzz(ctx, result, "tenant API", ctx.target.api_key, "--exclude-path-regex", n))
-            if ctx.target.admin_token:
-                result.add(await self._fuzz(ctx, result, "admin API", ctx.target.admin_token,
-                                            "--include-path-regex", n))
+            result.add(*await self._fuzz_both(ctx, result, n))
         result.add(*await self._hostile(ctx, result, table))
         lost = (await scrape(ctx.client, ctx.target.url)).total(LOST) - lost_before
         dead = [name for name, pid in pids.items() if pid is not None and not alive(pid)]
@@ -69,6 +66,22 @@ class BadInput(Drill):
         serves, how = await still_serves(ctx.client, ctx.target)
         result.add(check("still serving afterwards", serves, how))
         result.add(*await quiet_checks(ctx, within=60.0))
+
+    async def _fuzz_both(self, ctx: DrillContext, result: DrillResult, n: int) -> list[Check]:
+        """The tenant API and (with an admin token) the admin API, fuzzed side by side: two schemathesis
+        processes against one gateway, its answers judged per request either way."""
+        runs = [("tenant API", ctx.target.api_key, "--exclude-path-regex")]
+        if ctx.target.admin_token:
+            runs.append(("admin API", ctx.target.admin_token, "--include-path-regex"))
+        checks: list[Check | None] = [None] * len(runs)
+
+        async def one(i: int) -> None:
+            checks[i] = await self._fuzz(ctx, result, *runs[i], n)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(runs)):
+                nursery.start_soon(one, i)
+        return [c for c in checks if c is not None]
 
     async def _fuzz(self, ctx: DrillContext, result: DrillResult, what: str, token: str, path_flag: str,
                     n: int) -> Check:
