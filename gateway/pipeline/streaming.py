@@ -30,7 +30,6 @@ from gateway.pipeline.responses import ResponseBuilder
 log = logging.getLogger("kvgate.gateway.streaming")
 
 SSE_BUFFER = 16  # events between producer and client; a slow client applies backpressure past it
-CONSUMER_STALL_S = 60.0  # default of --stream-stall-timeout: a client that takes nothing this long is gone
 DONE = "data: [DONE]\n\n"
 PING = ": ping\n\n"
 
