@@ -5,10 +5,11 @@ its worker goes on generating. What the gateway holds for them is bounded (``gat
 ``MAX_PENDING_BYTES`` (1 MiB) of untaken output per stream and the ``PendingBudget`` of all streams together
 (256 MiB; past it a stream holding over ``CUTTABLE_BYTES``, 16 KiB, is cut), both enforced at a cut that aborts
 the stream on its worker; and by the gateway's ``--stream-stall-timeout`` (60 s by default; the quick size runs
-15 s so CI does not wait a minute), after which a stream whose client took nothing is dropped. Which comes first depends on how fast the worker makes tokens: the
-drill reports it (the pool logs each cut by a bound), and judges what must hold either way. No flag or variable
-sets the budget (``WorkerPool`` makes ``PendingBudget()`` with its default), so the drill sizes the load: every
-stream runs at once, and at the default size the per-stream bounds alone would allow 1,000 MiB.
+15 s so CI does not wait a minute), after which a stream whose client took nothing is dropped. Which comes first
+depends on how fast the worker makes tokens: the drill reports it (the pool logs each cut by a bound), and judges
+what must hold either way. No flag or variable sets the budget (``WorkerPool`` makes ``PendingBudget()`` with its
+default), so the drill sizes the load: every stream runs at once, and at the default size the per-stream bounds
+alone would allow 1,000 MiB.
 
 The model only paces the tokens, so both sizes use the tiny random model (``smollm2`` would take an hour).
 
