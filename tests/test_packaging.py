@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from kernels_cupy.cpu.qgemm import load_qgemm
 assert cpu.__file__.startswith(sys.argv[1]), cpu.__file__  # the installed copy, not the checkout
 print(sys.argv[2], (load_qgemm if sys.argv[2] == "qgemm" else cpu.load)() is not None)
 """
+_KERNELS = ("qgemm", "attention")
 # Not copied for the build: setuptools builds in the source tree (build/, *.egg-info), so it gets a copy.
 _SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache",
                                "node_modules", "kvgate.db*")
@@ -43,15 +45,12 @@ def test_the_wheel_carries_and_runs_the_cpu_kernels(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],
                    check=True, capture_output=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    checks = {kernel: subprocess.Popen([sys.executable, "-c", _CHECK, str(site), kernel], cwd=tmp_path, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for kernel in ("qgemm", "attention")}
-    try:
-        for kernel, proc in checks.items():
-            stdout, stderr = proc.communicate(timeout=1500)
-            assert proc.returncode == 0, stderr[-3000:]
-            assert f"{kernel} True" in stdout, stdout + stderr[-3000:]
-    finally:
-        for proc in checks.values():
-            proc.kill()  # a no-op for one that ended; a timed-out or unchecked one does not outlive the test
-            proc.wait()
+
+    def check(kernel: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _CHECK, str(site), kernel], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=1500)
+
+    with ThreadPoolExecutor(2) as pool:
+        for kernel, out in zip(_KERNELS, pool.map(check, _KERNELS)):
+            assert out.returncode == 0, out.stderr[-3000:]
+            assert f"{kernel} True" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -17,23 +17,24 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-LABELS = ("paged attention", "quantized GEMM", "fused decoder ops", "decode layer stack")
 
-
-def _loaders() -> list[Callable[[], Any | None]]:
+def _loaders() -> dict[str, Callable[[], Any | None]]:
+    """Each kernel's loader by its label, longest build first (Zen 1: stack 103 s, GEMM 93, attention 72, fused
+    60), so that two cores end together."""
     from kernels_cupy.cpu import load
     from kernels_cupy.cpu.fused import load_fused
     from kernels_cupy.cpu.qgemm import load_qgemm
     from kernels_cupy.cpu.stack import load_stack
 
-    return [load, load_qgemm, load_fused, load_stack]  # in LABELS' order
+    return {"decode layer stack": load_stack, "quantized GEMM": load_qgemm, "paged attention": load,
+            "fused decoder ops": load_fused}
 
 
-def _build(index: int) -> tuple[bool, float]:
-    """In a child process: build (or find built) kernel ``index``; whether it loads, and the seconds it took."""
+def _build(label: str) -> tuple[bool, float]:
+    """In a child process: build (or find built) the kernel ``label``; whether it loads, and the seconds it took."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     t0 = time.monotonic()
-    mod = _loaders()[index]()
+    mod = _loaders()[label]()
     return mod is not None, time.monotonic() - t0
 
 
@@ -41,10 +42,10 @@ def main() -> int:
     # One process per kernel, as many at once as there are cores: each build compiles one C++ file on one core
     # (the four took 331 s one after another on a 2-core Zen 1). Each holds its own build lock (build.py), and
     # spawned children do not inherit this process's state.
-    workers = max(1, min(len(LABELS), os.cpu_count() or 1))
+    labels = list(_loaders())
+    workers = max(1, min(len(labels), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        # Longest first (Zen 1: stack 103 s, GEMM 93, attention 72, fused 60), so two cores end together.
-        futures = {pool.submit(_build, i): LABELS[i] for i in (3, 1, 0, 2)}
+        futures = {pool.submit(_build, label): label for label in labels}
         for future in as_completed(futures):
             ok, seconds = future.result()
             state = "ready" if ok else "unavailable (the fallback path will run)"
