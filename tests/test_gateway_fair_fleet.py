@@ -31,6 +31,14 @@ MAX_NUM_SEQS = 4  # per worker: a few dozen clients keep both workers' fair queu
 # steps: with 32 tokens the clients' round trips, not the workers, set the pace and nobody waits on a worker.
 BODY = {"model": MODEL, "max_tokens": 128, "ignore_eos": True, "temperature": 0}
 SECONDS, WARMUP = 14.0, 4.0  # the flood; its first seconds (every client arriving at once) are not measured
+# A worker's fair queue is exact only to one request per tenant (start-time fair queuing's lag bound), and with
+# requests of one length its four slots free and refill together: ~4 picks a second, HHHL. Where a tie between the
+# two tenants' virtual times falls (the older head wins) moves a light pick across a second's boundary, and both
+# workers run in step, so a 10 s window sees 9, 10 or 11 light picks of 40 on each: 0.225-0.275, the 10% bound
+# itself. Measured on a Zen 1 with the workers' picks logged: exactly 3:1, yet heavy 0.723-0.75 in 7 runs, 3 of
+# them past the bound. The full-workers case measures 20 s, so that one pick is 5%, not 10%, of the light
+# tenant's share: heavy 0.75-0.762 in 5 runs.
+LONG_SECONDS = 24.0
 
 
 @contextmanager
@@ -60,11 +68,11 @@ def _heavy_and_light(srv: Server, clients: tuple[int, int], shared_prefix: bool)
     return tenants
 
 
-def _measure(srv: Server, tenants: list[Tenant]) -> dict[str, float]:
-    started = flood(f"{srv.url}/v1/completions", tenants, BODY, SECONDS)
+def _measure(srv: Server, tenants: list[Tenant], seconds: float = SECONDS) -> dict[str, float]:
+    started = flood(f"{srv.url}/v1/completions", tenants, BODY, seconds)
     with store_of(srv) as store:
         rows = {t.name: store.usage_rows(t.tenant_id) for t in tenants}
-    return shares(rows, started + WARMUP, started + SECONDS)
+    return shares(rows, started + WARMUP, started + seconds)
 
 
 def _assert_within_10_percent(got: dict[str, float]) -> None:
@@ -94,7 +102,7 @@ def test_full_workers_admit_by_weight(tiny_model_dir: Path, tmp_path: Path) -> N
     each tenant keeps its weighted share of the slots (so its backlog lasts as long as the other's too)."""
     with _gateway(tiny_model_dir, tmp_path, "--max-queued-requests", "12") as srv:
         tenants = _heavy_and_light(srv, (24, 24), shared_prefix=False)
-        got = _measure(srv, tenants)
+        got = _measure(srv, tenants, LONG_SECONDS)
     assert all(t.refused for t in tenants), [t.refused for t in tenants]  # the bounds were reached
     _assert_within_10_percent(got)
 
