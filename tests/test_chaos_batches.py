@@ -15,7 +15,7 @@ from chaos.exactly_once import billing_checks, result_checks, run_checks
 from chaos.verdict import DrillResult
 from tests.chaos_support import assert_passed, run_quick
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.serial]  # drills judge deadlines and latencies: alone
 
 
 def _checks(result: DrillResult) -> dict[str, str]:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.chaos_support import assert_passed, run_quick
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.serial]  # drills judge deadlines and latencies: alone
 
 
 def test_bad_input_quick() -> None:

@@ -24,7 +24,7 @@ from tests.tenancy_support import ids_prompt, make_tenant, store_of
 from tests.test_gateway_support import MODEL, Server, start_server
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]  # shares of tokens: measured alone
 
 MAX_NUM_SEQS = 4  # per worker: a few dozen clients keep both workers' fair queues busy
 # Long enough per request that the gateway's own work per request (HTTP, ledger) stays small beside a worker's
