@@ -175,6 +175,38 @@ def test_grammar_holds_calls_to_the_tools_and_their_schemas(tok: GatewayTokenize
     assert not _accepts(ll_tok, tok, shaped, "It is sunny.")
 
 
+def test_arguments_hold_only_the_declared_properties(tok: GatewayTokenizer, ll_tok: Any) -> None:
+    """ADD's schema says nothing of other keys; its calls still hold only ``a`` and ``b`` (vLLM's default too)."""
+    required = _chat(tok, tools=[ADD], tool_choice="required").sampling.structured
+    assert _accepts(ll_tok, tok, required, _call_text("add", {"a": 1, "b": 2}))
+    assert not _accepts(ll_tok, tok, required, _call_text("add", {"a": 1, "b": 2, "c": 3}))
+    assert not _accepts(ll_tok, tok, required, '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2,"a":1}}')
+
+
+def test_closing_reaches_nested_shapes_and_leaves_free_form_ones_open() -> None:
+    from gateway.pipeline.tools import closed
+
+    item = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {"type": "object", "properties": {
+        "points": {"type": "array", "items": item},
+        "either": {"anyOf": [item, {"type": "string"}]},
+        "meta": {"type": "object"},  # free-form: any keys
+        "open": {"type": "object", "properties": {"k": {}}, "additionalProperties": {"type": "integer"}},
+        "both": {"allOf": [item, {"properties": {"y": {}}}]},
+        "ref": {"$ref": "#/$defs/p"}}, "$defs": {"p": item}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["points"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
+        "type": "string"}
+    assert "additionalProperties" not in props["meta"]
+    assert props["open"]["additionalProperties"] == {"type": "integer"}
+    assert props["both"] == schema["properties"]["both"]
+    assert got["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in item  # the request's own schema is not changed
+
+
 # ---- the parser --------------------------------------------------------------------------------
 
 CALLS = (_call_text("get_weather", {"city": 'Pa"ris}{', "unit": "c"}) + "\n"
