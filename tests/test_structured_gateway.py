@@ -40,6 +40,18 @@ def test_spec_from_response_format_and_guided_fields() -> None:
     assert json.loads(structured_spec({"guided_json": json.dumps(SCHEMA)}) or "")["schema"] == SCHEMA
 
 
+def test_listed_properties_are_the_only_ones_a_schema_admits() -> None:
+    """A schema that lists properties and says nothing of others holds only those (vLLM's default, xgrammar's
+    strict mode); a free-form object stays open. Checked in the spec the worker compiles."""
+    loose = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "object"}},
+             "required": ["name"]}
+    for fields in (_fmt(loose), {"guided_json": loose}, {"guided_json": json.dumps(loose)}):
+        schema = json.loads(structured_spec(fields) or "")["schema"]
+        assert schema["additionalProperties"] is False, fields
+        assert "additionalProperties" not in schema["properties"]["tags"]  # free-form: any keys
+    assert "additionalProperties" not in loose  # the request's own schema is untouched
+
+
 @pytest.mark.parametrize("fields, param", [
     (_fmt({"type": "strnig"}), "response_format.json_schema.schema"),
     (_fmt({"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}),

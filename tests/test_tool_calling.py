@@ -184,7 +184,7 @@ def test_arguments_hold_only_the_declared_properties(tok: GatewayTokenizer, ll_t
 
 
 def test_closing_reaches_nested_shapes_and_leaves_free_form_ones_open() -> None:
-    from gateway.pipeline.tools import closed
+    from gateway.pipeline.response_format import closed
 
     item = {"type": "object", "properties": {"x": {"type": "number"}}}
     schema = {"type": "object", "properties": {

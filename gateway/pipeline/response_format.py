@@ -43,6 +43,39 @@ def validate_schema(schema: Any, param: str, what: str, code: str = "invalid_jso
                           code=code)
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "contains")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its ``properties`` and says nothing of others closed to them
+    (``additionalProperties: false``), as vLLM's default grammar backend (xgrammar's strict mode) does: what a
+    response format, ``guided_json`` or a tool's arguments hold. JSON Schema's default admits any other key, and a
+    small model fills an object with made-up keys (repeated ones included) until max_tokens: smollm2 asked for
+    Paris' weather wrote ``{"city":"Paris","type":"string",
+    "properties":{"temperature":{...},"temperature":"25.5"},"temperature":"25.5"}`` (a key twice) and stopped on
+    length. A free-form object (no
+    ``properties``) stays open, and so does anything under ``allOf``, whose parts each list only some of the
+    properties (closing each part would refuse the others' keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def _response_format(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad_request("'response_format' must be an object with a 'type'", param="response_format")
@@ -72,7 +105,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         raise bad_request("'response_format.json_schema.strict' must be a boolean", param=f"{param}.strict")
     schema = js.get("schema", {})  # OpenAI: a missing schema means any JSON value shape it describes: {}
     validate_schema(schema, f"{param}.schema", f"response_format '{name}'")
-    return {"type": "json_schema", "schema": schema}
+    return {"type": "json_schema", "schema": closed(schema)}
 
 
 def _guided(fields: dict[str, Any]) -> dict[str, Any] | None:
@@ -84,7 +117,7 @@ def _guided(fields: dict[str, Any]) -> dict[str, Any] | None:
             except ValueError:
                 raise bad_request("'guided_json' must be a JSON schema", param="guided_json") from None
         validate_schema(schema, "guided_json", "response_format 'guided_json'")
-        return {"type": "json_schema", "schema": schema}
+        return {"type": "json_schema", "schema": closed(schema)}
     if "guided_choice" in fields:
         choices = fields["guided_choice"]
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.base.errors import bad_request
-from gateway.pipeline.response_format import validate_schema
+from gateway.pipeline.response_format import closed, validate_schema
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -171,38 +171,6 @@ def parse_tools(fields: dict[str, Any], fmt: Format = "generic") -> ToolConfig |
 
 
 # ---- the grammar --------------------------------------------------------------------------------
-
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "contains")
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
-
-
-def closed(schema: Any) -> Any:
-    """``schema`` with every object that lists its ``properties`` and says nothing of others closed to them
-    (``additionalProperties: false``), as vLLM's default grammar backend (xgrammar's strict mode) does. JSON
-    Schema's default admits any other key, and a small model fills its arguments with made-up keys (repeated ones
-    included) until max_tokens: smollm2 asked for Paris' weather wrote ``{"city":"Paris","type":"string",
-    "properties":{"temperature":{...},"temperature":"25.5"},"temperature":"25.5"}`` (a key twice) and stopped on
-    length. A free-form object (no
-    ``properties``) stays open, and so does anything under ``allOf``, whose parts each list only some of the
-    properties (closing each part would refuse the others' keys)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed(v) for k, v in out[key].items()}
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(v) for v in out[key]]
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
-        out["additionalProperties"] = False
-    return out
-
 
 def _call_schema(tools: tuple[Tool, ...], args_key: str) -> dict[str, Any]:
     variants = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: closed(t.parameters)},
