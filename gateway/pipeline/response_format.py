@@ -56,9 +56,8 @@ def closed(schema: Any) -> Any:
     small model fills an object with made-up keys (repeated ones included) until max_tokens: smollm2 asked for
     Paris' weather wrote ``{"city":"Paris","type":"string",
     "properties":{"temperature":{...},"temperature":"25.5"},"temperature":"25.5"}`` (a key twice) and stopped on
-    length. A free-form object (no
-    ``properties``) stays open, and so does anything under ``allOf``, whose parts each list only some of the
-    properties (closing each part would refuse the others' keys)."""
+    length. A free-form object (no ``properties``) stays open, and so does anything under ``allOf``, whose parts
+    each list only some of the properties (closing each part would refuse the others' keys)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
