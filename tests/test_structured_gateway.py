@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from gateway.base.errors import APIError
-from gateway.pipeline.response_format import structured_spec
+from gateway.pipeline.response_format import closed, structured_spec
 from tests.test_gateway_support import MODEL, Server
 
 SCHEMA: dict[str, Any] = {
@@ -50,6 +50,28 @@ def test_listed_properties_are_the_only_ones_a_schema_admits() -> None:
         assert schema["additionalProperties"] is False, fields
         assert "additionalProperties" not in schema["properties"]["tags"]  # free-form: any keys
     assert "additionalProperties" not in loose  # the request's own schema is untouched
+
+
+def test_closing_reaches_nested_shapes_and_leaves_free_form_ones_open() -> None:
+    item = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {"type": "object", "properties": {
+        "points": {"type": "array", "items": item},
+        "either": {"anyOf": [item, {"type": "string"}]},
+        "meta": {"type": "object"},  # free-form: any keys
+        "open": {"type": "object", "properties": {"k": {}}, "additionalProperties": {"type": "integer"}},
+        "both": {"allOf": [item, {"properties": {"y": {}}}]},
+        "ref": {"$ref": "#/$defs/p"}}, "$defs": {"p": item}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["points"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
+        "type": "string"}
+    assert "additionalProperties" not in props["meta"]
+    assert props["open"]["additionalProperties"] == {"type": "integer"}
+    assert props["both"] == schema["properties"]["both"]
+    assert got["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in item  # the request's own schema is not changed
 
 
 @pytest.mark.parametrize("fields, param", [

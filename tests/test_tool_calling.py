@@ -183,30 +183,6 @@ def test_arguments_hold_only_the_declared_properties(tok: GatewayTokenizer, ll_t
     assert not _accepts(ll_tok, tok, required, '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2,"a":1}}')
 
 
-def test_closing_reaches_nested_shapes_and_leaves_free_form_ones_open() -> None:
-    from gateway.pipeline.response_format import closed
-
-    item = {"type": "object", "properties": {"x": {"type": "number"}}}
-    schema = {"type": "object", "properties": {
-        "points": {"type": "array", "items": item},
-        "either": {"anyOf": [item, {"type": "string"}]},
-        "meta": {"type": "object"},  # free-form: any keys
-        "open": {"type": "object", "properties": {"k": {}}, "additionalProperties": {"type": "integer"}},
-        "both": {"allOf": [item, {"properties": {"y": {}}}]},
-        "ref": {"$ref": "#/$defs/p"}}, "$defs": {"p": item}}
-    got = closed(schema)
-    assert got["additionalProperties"] is False
-    props = got["properties"]
-    assert props["points"]["items"]["additionalProperties"] is False
-    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
-        "type": "string"}
-    assert "additionalProperties" not in props["meta"]
-    assert props["open"]["additionalProperties"] == {"type": "integer"}
-    assert props["both"] == schema["properties"]["both"]
-    assert got["$defs"]["p"]["additionalProperties"] is False
-    assert "additionalProperties" not in item  # the request's own schema is not changed
-
-
 # ---- the parser --------------------------------------------------------------------------------
 
 CALLS = (_call_text("get_weather", {"city": 'Pa"ris}{', "unit": "c"}) + "\n"
