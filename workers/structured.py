@@ -33,11 +33,11 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from workers import grammar_tokenizer
 from workers.core.outputs import SampledToken
 from workers.grammar_compile import (Compile, Compiler, StructuredError, Waiter, failed_internally, in_thread,
                                      refusal)
@@ -156,16 +156,9 @@ class StructuredOutputs:
         self._compiler = Compiler(lambda key: self._build(key), COMPILE_THREADS, compile_timeout_s, clock)
 
     def _load_tokenizer(self) -> Any:
-        """In a thread, once: seconds (transformers' import, the vocabulary's token trie), some of it in native
-        calls that hold the GIL (up to ~0.25 s each on our CPU)."""
-        import llguidance.hf
-
-        tok = self._tokenizer_source
-        if isinstance(tok, (str, Path)):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(tok)
-        return llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size)
+        """In a thread, once: ~0.7 s from a model directory (``workers.grammar_tokenizer``), seconds where
+        transformers must build it; some of it in native calls that hold the GIL."""
+        return grammar_tokenizer.load(self._tokenizer_source, self.vocab_size)
 
     def _tokenizer_ready(self) -> bool:
         """Starts the tokenizer's load at the first compile; True once it has ended (loaded or failed: then

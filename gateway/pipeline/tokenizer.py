@@ -57,15 +57,6 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json spells special tokens as a string or as {"content": ...}
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
-
-
 def tool_format_of(template: str) -> Format:
     """How a chat template writes tool calls (gateway.pipeline.tools): Hermes ``<tool_call>`` blocks; Llama 3.x's
     JSON tool calling (its templates render results as ``ipython`` turns and calls as ``{"name", "parameters"}``);
@@ -92,7 +83,7 @@ class GatewayTokenizer:
         if isinstance(source, list):  # the named-templates form: take the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         self._special = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                         if (t := _token_text(config.get(k))) is not None}
+                         if (t := model_files.token_text(config.get(k))) is not None}
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
