@@ -57,14 +57,16 @@ generate: setup
 	$(VENV)/bin/kvgate generate --chat "$(PROMPT)" --max-tokens 128
 
 # Two passes. Most tests run in TEST_JOBS processes (pytest-xdist): one process left the second core idle about
-# 40% of the time (compiles, process starts, fuzzers are single-threaded). The tests marked `serial` are judged by
-# timing (deadlines and latencies against a baseline, a weighted share of tokens): another process's load between
-# their measurements would move the verdict, so they run afterwards, one at a time. On a 2-core Zen 1: 29 min 42 s
-# in one process; 15 min 46 s + 9 min 51 s in two passes. --durations: where the minutes go, in every CI log.
+# 40% of the time (compiles, process starts, fuzzers are single-threaded). A module's tests stay in one process
+# (--dist loadscope), so a module-scoped server or model starts once, not once per process. The tests marked
+# `serial` are judged by timing (deadlines of a few seconds, latencies against a baseline, a weighted share of
+# tokens): another process's load between their measurements would move the verdict, so they run afterwards, one
+# at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes.
+# --durations: where the minutes go, in every CI log.
 TEST_JOBS ?= 2
 test: setup redis-server postgresql chromium
 	$(PY) -m mypy --follow-imports=silent workers ipc common gateway tenancy chaos console kernels_cupy
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) -m "not serial" --durations=30
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope -m "not serial" --durations=30
 	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=10
 
 test-fast: setup
