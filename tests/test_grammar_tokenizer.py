@@ -88,9 +88,15 @@ def test_what_tokenizer_json_lacks_is_left_to_transformers(directory: Path, tmp_
     loaded = grammar_tokenizer.load(out, VOCAB + 1)
     assert loaded.decode_bytes([VOCAB]) == b"<|tool_sep|>" and loaded.is_special_token(VOCAB)
 
-    config = {**json.loads((directory / "tokenizer_config.json").read_text()), "eos_token": "<|no_such|>"}
-    config_path.write_text(json.dumps(config))
+    original = json.loads((directory / "tokenizer_config.json").read_text())
+    config_path.write_text(json.dumps({**original, "eos_token": "<|no_such|>"}))
     assert grammar_tokenizer.direct(out, VOCAB) is None
+    # tokenizer.json has <|endoftext|> as a special token: declared otherwise, the merge is left to transformers
+    plain = {"0": {"content": "<|endoftext|>", "special": False}}
+    config_path.write_text(json.dumps({**original, "added_tokens_decoder": plain}))
+    assert grammar_tokenizer.direct(out, VOCAB) is None
+    config_path.write_text(json.dumps({**original, "added_tokens_decoder": {"0": {**plain["0"], "special": True}}}))
+    assert grammar_tokenizer.direct(out, VOCAB) is not None  # declared as tokenizer.json has it
 
 
 def test_a_directory_or_a_tokenizer_object_loads(directory: Path) -> None:

@@ -33,9 +33,12 @@ def direct(directory: Path, n_vocab: int) -> Any | None:
     declared = config.get("added_tokens_decoder") or {}
     if not isinstance(declared, dict):
         return None
+    added = tok.get_added_tokens_decoder()  # id -> AddedToken, as tokenizer.json has them
     for token_id, entry in declared.items():
-        if tok.id_to_token(int(token_id)) != token_text(entry):
-            return None  # transformers would add it to the backend; its spelling and flags are its to merge
+        have = added.get(int(token_id)) if str(token_id).isdigit() else None
+        special = entry.get("special", False) if isinstance(entry, dict) else False
+        if have is None or have.content != token_text(entry) or have.special != special:
+            return None  # transformers would add or re-flag it in the backend: its merge to make, not ours to keep
     eos_text = token_text(config.get("eos_token"))
     eos_id = tok.token_to_id(eos_text) if eos_text is not None else None
     if eos_text is not None and eos_id is None:
