@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,14 @@ def test_a_directory_or_a_tokenizer_object_loads(directory: Path) -> None:
     from_object = grammar_tokenizer.load(AutoTokenizer.from_pretrained(directory), VOCAB)
     assert from_dir.tokenize_str(TEXTS[1]) == from_object.tokenize_str(TEXTS[1])
     assert grammar_tokenizer.direct(directory.parent / "no-such-model", VOCAB) is None
+
+
+def test_the_direct_route_does_not_import_transformers(directory: Path) -> None:
+    """transformers' import is what made a worker's first grammar request slow (seconds): a fresh process loads
+    the tokenizer from a directory without it."""
+    code = ("import sys; from workers import grammar_tokenizer as g; "
+            f"t = g.load({str(directory)!r}, {VOCAB}); print(t.eos_token, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "False"], out.stdout

@@ -1,13 +1,14 @@
 """The grammar engine's tokenizer (an ``llguidance.LLTokenizer``), built straight from a model directory.
 
 ``llguidance.hf.from_tokenizer`` wants a transformers tokenizer only to serialize its Rust backend, read its EOS id
-and see the added tokens that ``tokenizer_config.json`` declares. Importing transformers and building that
-tokenizer cost ~5.4 s of CPU on a Zen 1 (3.9 s of import), the LLTokenizer itself 0.5 s; on a busy 2-core worker,
-beside a step loop that holds the GIL, the first structured request of a worker's life waited 25 s for it (the
-hostile-schemas drill's warm-up). Reading ``tokenizer.json`` with ``tokenizers`` (already a dependency: the gateway
-tokenizes with it) gives the same LLTokenizer (tests/test_grammar_tokenizer.py compares them token for token)
-without transformers. A directory whose ``tokenizer_config.json`` names added tokens that ``tokenizer.json`` lacks,
-or an EOS token it does not know, is left to transformers: it knows how to merge them; we would have to keep it.
+and see the added tokens that ``tokenizer_config.json`` declares. Importing transformers (``llguidance.hf`` does
+it too) and building that tokenizer cost ~5.4 s of CPU on a Zen 1 (3.9 s of import), the LLTokenizer itself
+0.5 s; beside a busy step loop the first structured request of a worker's life waited 25 s for it (the
+hostile-schemas drill's warm-up; 0.9 s now, and 4.7 -> 0.7 s on an idle worker). Reading ``tokenizer.json`` with
+``tokenizers`` (already a dependency: the gateway tokenizes with it) gives the same LLTokenizer
+(tests/test_grammar_tokenizer.py compares them token for token) without transformers. A directory whose
+``tokenizer_config.json`` declares added tokens otherwise than ``tokenizer.json`` has them, or an EOS token it does
+not know, is left to transformers: it knows how to merge them; we would have to keep it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ def direct(directory: Path, n_vocab: int) -> Any | None:
 
 def load(source: Any, n_vocab: int) -> Any:
     """``source``: a model directory (the worker's case) or an HF tokenizer object (tests, the offline LLM)."""
-    import llguidance.hf
-
     if isinstance(source, (str, Path)):
         built = direct(Path(source), n_vocab)
         if built is not None:
@@ -59,4 +58,6 @@ def load(source: Any, n_vocab: int) -> Any:
         from transformers import AutoTokenizer
 
         source = AutoTokenizer.from_pretrained(source)
+    import llguidance.hf  # here only: it imports transformers (seconds), which the direct route does without
+
     return llguidance.hf.from_tokenizer(source, n_vocab=n_vocab)
