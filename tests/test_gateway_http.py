@@ -237,7 +237,10 @@ def test_bad_key_and_unknown_route(server: Server) -> None:
     r = httpx.post(f"{server.url}{CHAT}", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(f"{server.url}/v1/nope", headers=server.headers)
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.json()["error"]["message"] == "Invalid URL (GET /v1/nope)"  # OpenAI's words for a path it lacks
+    r = httpx.post(f"{server.url}/v1/embeddings", headers=server.headers, json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (POST /v1/embeddings)"
 
 
 # ---- cancellation -----------------------------------------------------------------------------

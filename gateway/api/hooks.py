@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from quart import Response, g, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from gateway.api.context import app_state
 from gateway.api.generation_routes import GENERATION_ROUTES
@@ -56,6 +56,9 @@ async def on_http_error(e: HTTPException) -> Response:
     status = e.code or 500
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     message = "request body too large" if status == 413 else (e.description or e.name)
+    if isinstance(e, NotFound) and e.description == NotFound.description:
+        # no route: OpenAI names the method and path; werkzeug's default text is about URLs typed in a browser
+        message = f"Invalid URL ({request.method} {request.path})"
     return _api_error_response(APIError(status, message, code=code))
 
 
