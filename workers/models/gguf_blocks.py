@@ -1,15 +1,15 @@
 """A GGUF's own quantized blocks for our fused linear layers, read straight from the file (memory-mapped by
-``gguf.GGUFReader``), so a quantized mode runs the very weights llama.cpp runs instead of re-quantizing the
+``workers.models.gguf_index``), so a quantized mode runs the very weights llama.cpp runs instead of re-quantizing the
 fp32 weights that transformers de-quantized."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from workers.models.gguf_index import Tensor, read_tensors
 from workers.models.llama import LlamaConfig
 from workers.models.quant import GGUF_LAYOUTS, BlockWeight, from_gguf
 
@@ -23,9 +23,7 @@ def rope_row_order(n: int, heads: int) -> torch.Tensor:  # (n,) int64
 
 class _Reader:
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        self.tensors: dict[str, Any] = {t.name: t for t in GGUFReader(str(path)).tensors}
+        self.tensors: dict[str, Tensor] = read_tensors(path)  # not GGUFReader: seconds decoding the metadata
 
     def block(self, name: str, heads: int | None = None) -> BlockWeight | None:
         t = self.tensors.get(name)

@@ -92,8 +92,10 @@ def fuse_hf_weights(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, 
 def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: int,
                 dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Our model with ``sd`` (HF names) loaded; random weights when ``sd`` is None (tests)."""
-    model = LlamaForCausalLM(cfg, max_len)
-    if sd is not None:
+    if sd is None:
+        model = LlamaForCausalLM(cfg, max_len)
+    else:
+        model = _uninitialized(cfg, max_len)
         missing, unexpected = model.load_state_dict(fuse_hf_weights(sd, cfg), strict=False)
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
@@ -113,6 +115,17 @@ def build_model(cfg: LlamaConfig, sd: dict[str, torch.Tensor] | None, max_len: i
     if device.type == "cuda":
         _batch_invariant_cuda(model, device)
     return model.eval()
+
+
+def _uninitialized(cfg: LlamaConfig, max_len: int) -> LlamaForCausalLM:
+    """The model with storage but no initial values, for weights that are all loaded next: the linears' random
+    init was ~1 s of a smollm2 worker's start. The rope tables are rebuilt after the load (``build_model``)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_len)
+    model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # to_empty gives each module a new parameter: the tie is made again
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
 
 
 def _batch_invariant_cuda(model: LlamaForCausalLM, device: torch.device) -> None:
