@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from console.plan_presets import MODELS, ModelShape
 
@@ -25,36 +24,36 @@ def _gguf_path(name: str) -> Path | None:
         raise PlanInputError(str(e)) from None
 
 
-def _gguf_field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def shape_from_gguf(path: Path, label: str) -> ModelShape:
-    import gguf
+    from common.gguf_index import read_index  # not gguf.GGUFReader: it decodes the tokenizer's arrays (seconds)
 
-    reader = gguf.GGUFReader(path)
-    arch = _gguf_field(reader, "general.architecture") or "llama"
+    try:
+        index = read_index(path)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    meta = index.metadata
+    arch = meta.get("general.architecture") or "llama"
 
     def need(key: str) -> int:
-        value = _gguf_field(reader, f"{arch}.{key}")
+        value = meta.get(f"{arch}.{key}")
         if value is None:
             raise PlanInputError(f"{path}: GGUF metadata has no {arch}.{key}")
         return int(value)
 
     heads, hidden = need("attention.head_count"), need("embedding_length")
-    key_length = _gguf_field(reader, f"{arch}.attention.key_length")
-    names = {t.name for t in reader.tensors}
-    vocab = _gguf_field(reader, f"{arch}.vocab_size")
+    key_length = meta.get(f"{arch}.attention.key_length")
+    vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = index.array_lengths.get("tokenizer.ggml.tokens")
+        if vocab is None:
+            raise PlanInputError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     return ModelShape(
         name=label, num_layers=need("block_count"), num_heads=heads,
-        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
         head_dim=int(key_length) if key_length else hidden // heads, hidden_size=hidden,
         intermediate_size=need("feed_forward_length"), vocab_size=int(vocab),
-        tied_embeddings="output.weight" not in names, max_position_embeddings=need("context_length"),
-        params=sum(int(t.n_elements) for t in reader.tensors))
+        tied_embeddings="output.weight" not in index.tensors, max_position_embeddings=need("context_length"),
+        params=sum(t.n_elements for t in index.tensors.values()))
 
 
 def shape_from_config(path: Path, label: str) -> ModelShape:

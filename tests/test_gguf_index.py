@@ -1,6 +1,7 @@
-"""workers.models.gguf_index maps a GGUF's tensors as gguf.GGUFReader does (names, types, shapes, the same bytes)
-without decoding the metadata: on smollm2's file, and on a written file holding every metadata value type, nested
-and string arrays, a custom alignment and element and block tensor types."""
+"""common.gguf_index maps a GGUF's tensors as gguf.GGUFReader does (names, types, shapes, the same bytes) and reads
+the same scalar and string metadata and array lengths, without decoding the arrays: on smollm2's file, and on a
+written file holding every metadata value type, nested and string arrays, a custom alignment and element and block
+tensor types."""
 
 from __future__ import annotations
 
@@ -15,11 +16,21 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from common.model_files import ALIASES, alias_path
-from workers.models.gguf_index import read_tensors
+from common.gguf_index import read_index, read_tensors
 
 
 def _assert_same(path: Path) -> int:
-    theirs = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    reader = gguf.GGUFReader(str(path))
+    index = read_index(path)
+    for key, f in reader.fields.items():
+        if f.types[:2] == [gguf.GGUFValueType.ARRAY] * 2:  # the reader flattens nested arrays; we count the outer
+            assert index.array_lengths[key] == int(f.parts[4][0]), key  # (key length, key, type, item type, count)
+        elif f.types[0] == gguf.GGUFValueType.ARRAY:
+            assert index.array_lengths[key] == len(f.data), key
+        elif not key.startswith("GGUF."):  # the reader's own header fields
+            assert index.metadata[key] == f.contents(), key
+    assert len(index.metadata) + len(index.array_lengths) == len([k for k in reader.fields if k[:5] != "GGUF."])
+    theirs = {t.name: t for t in reader.tensors}
     ours = read_tensors(path)
     assert list(ours) == list(theirs)
     for name, t in theirs.items():

@@ -1,5 +1,5 @@
 """A GGUF's own quantized blocks for our fused linear layers, read straight from the file (memory-mapped by
-``workers.models.gguf_index``), so a quantized mode runs the very weights llama.cpp runs instead of re-quantizing the
+``common.gguf_index``), so a quantized mode runs the very weights llama.cpp runs instead of re-quantizing the
 fp32 weights that transformers de-quantized."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models.gguf_index import Tensor, read_tensors
+from common.gguf_index import Tensor, read_tensors
 from workers.models.llama import LlamaConfig
 from workers.models.quant import GGUF_LAYOUTS, BlockWeight, from_gguf
 
