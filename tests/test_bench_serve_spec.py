@@ -3,12 +3,13 @@ deltas, greedy mismatch reporting. No server."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.async_support import run_async
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import serve_spec  # noqa: E402
@@ -73,6 +74,6 @@ def test_sse_chunks_stop_at_done_and_raise_on_an_error_event() -> None:
         return [c async for c in serve_spec.sse_chunks(httpx.Response(200, content=body))]
 
     ok = b': ping\n\ndata: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\ndata: {"late":1}\n\n'
-    assert asyncio.run(chunks(ok)) == [{"choices": [{"text": "a"}]}]
+    assert run_async(lambda: chunks(ok)) == [{"choices": [{"text": "a"}]}]
     with pytest.raises(RuntimeError, match="overloaded"):
-        asyncio.run(chunks(b'data: {"choices":[]}\n\ndata: {"error":{"code":"overloaded"}}\n\n'))
+        run_async(lambda: chunks(b'data: {"choices":[]}\n\ndata: {"error":{"code":"overloaded"}}\n\n'))

@@ -5,37 +5,27 @@ README's tool-calling and Responses API examples as written."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import os
 import re
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import openai
 import pydantic
 import pytest
 
+from tests.async_support import run_async
 from tests.test_gateway_support import REPO, Server
 
 pytestmark = pytest.mark.timeout(600)
 
 ASK = "What is the weather in Paris?"
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_server: Server) -> Server:
     """The session's smollm2 server (tests/test_gateway_support.py): loading the model is the slow part."""
     return smollm2_server
-
-
-def run_async(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """``asyncio.run`` in a thread of its own: in the full suite the browser tests' Playwright (sync API) keeps an
-    asyncio loop running on the main thread, where asyncio.run refuses to start another."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(factory())).result()
 
 
 def weather_agent(model: Any) -> tuple[Any, list[str]]:
