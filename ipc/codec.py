@@ -223,7 +223,7 @@ _SPECS: Final[tuple[_Spec, ...]] = (
     _spec(16, Hello, (_int, _str, _int, _str, _int, _int, _int, _int, _int_list, _int, _int)),
     _spec(17, StepOutputs, (_list(_request_output), _int)),
     _spec(18, Stats, (_str, _int, _int, _float, _int, _int, _int, _int, _int, _int, _int, _float, _int,
-                       _opt(_float), _list(_str), _int, _int, _int, _int_list)),
+                       _opt(_float), _list(_str), _int, _int, _int, _int_list, _int)),
     _spec(19, RequestError, (_str, _str, _str)),
     _spec(20, Goodbye, (_str, _str)),
 )

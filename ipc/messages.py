@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 # Sent in Hello; the gateway refuses a worker that speaks another version rather than misreading its frames.
-PROTOCOL_VERSION = 11  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
+PROTOCOL_VERSION = 12  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_tokens; 3: step progress and
 # request ids in Stats, the token budget in Hello; 4: Generate.sampling is a typed SamplingParams (was a dict);
 # 5: speculative-decoding counters in Stats; 6: Refused; 7: RequestOutputMsg.error_code; 8: prompt logprobs
 # (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority; 10: prompt logprobs
 # travel chunk by chunk (outputs with no token carry them; a version-9 gateway would keep only the last chunk);
-# 11: Generate.lora (the LoRA adapter a request runs with)
+# 11: Generate.lora (the LoRA adapter a request runs with); 12: Stats.max_num_batched_tokens (a worker sizes its
+# steps again while idle)
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -154,6 +155,8 @@ class Stats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position
+    # the step's token budget now: Hello's, until the worker sizes its steps again (workers.process.step_sizing)
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

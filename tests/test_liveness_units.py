@@ -83,15 +83,15 @@ def test_step_budget_follows_the_measured_prefill_cost(monkeypatch: pytest.Monke
     engine = tiny_engine(hf_model(), max_num_batched_tokens=64, max_num_seqs=8)
     # 10 ms per step plus 1 ms per prompt token: a 500 ms step prefills 490 tokens, plus 8 decodes.
     monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 10.0 + 1.0 * n)
-    sizing = step_sizing.measure(engine, 500.0, max_num_seqs=8)
+    sizing, _ = step_sizing.measure(engine, 500.0, max_num_seqs=8)
     assert (sizing.max_num_batched_tokens, round(sizing.fixed_ms, 6), round(sizing.per_token_ms, 6)) == (498, 10, 1)
     # A machine so slow that the target holds 20 prefill tokens: every running request still decodes and
     # prefill still advances by the minimum chunk.
     monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 100.0 + 20.0 * n)
-    assert step_sizing.measure(engine, 500.0, max_num_seqs=8).max_num_batched_tokens == 8 + 32
-    assert step_sizing.measure(engine, 500.0, max_num_seqs=64).max_num_batched_tokens == 64 + 32
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=8)[0].max_num_batched_tokens == 8 + 32
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=64)[0].max_num_batched_tokens == 64 + 32
     monkeypatch.setattr(step_sizing, "_prefill_ms", lambda eng, n, tag: 0.001 * n)  # a huge machine
-    assert step_sizing.measure(engine, 500.0, max_num_seqs=8).max_num_batched_tokens == step_sizing.CEILING
+    assert step_sizing.measure(engine, 500.0, max_num_seqs=8)[0].max_num_batched_tokens == step_sizing.CEILING
     step_sizing.apply(engine, 20)
     assert engine.scheduler.config.max_num_batched_tokens == 20
 
@@ -100,7 +100,7 @@ def test_step_sizing_runs_real_probes_and_leaves_nothing_behind() -> None:
     from tests.tiny import hf_model, tiny_engine
 
     engine = tiny_engine(hf_model(), max_num_batched_tokens=64, max_num_seqs=8)
-    sizing = step_sizing.measure(engine, 500.0, max_num_seqs=8)
+    sizing, _ = step_sizing.measure(engine, 500.0, max_num_seqs=8)
     assert 8 <= sizing.max_num_batched_tokens <= step_sizing.CEILING and sizing.per_token_ms > 0
     stats = engine.stats()
     assert not engine.has_unfinished() and stats.prompt_tokens_total == 0 and stats.num_running == 0

@@ -9,7 +9,8 @@ from a config (model files, model, KV cache, attention backend) is ``workers.eng
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 from workers.core.outputs import EngineStats, RequestTimings, RunnerOutput, SchedulerOutput, StepOutput
@@ -213,6 +214,19 @@ class LLMEngine:
         probes, which are not traffic."""
         self.scheduler.reset_counters()
         self.last_num_batched_tokens = 0
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Requests run inside are not traffic (the worker's step-sizing probes, while it serves): the cumulative
+        counters come back as they were, and the prefix-cache entries they made go to the front of the free
+        list, the first to be evicted, rather than pushing tenants' prefixes out before them."""
+        counters, cached = self.scheduler.counters(), self.scheduler.bm.cached_hashes()
+        try:
+            yield
+        finally:
+            self.scheduler.restore_counters(counters)
+            self.scheduler.bm.uncache(self.scheduler.bm.cached_hashes() - cached)
+            self.last_num_batched_tokens = 0
 
     def stats(self) -> EngineStats:
         s, bm, sc = self.scheduler, self.scheduler.bm, self.scheduler.spec_counters

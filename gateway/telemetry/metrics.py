@@ -76,6 +76,12 @@ def _cost(model_name: str, worker_seconds: float, gpu_hour_cost: float, billed_t
 _HEALTH_STATES = ("idle", "busy", "slow")
 
 
+def _budget(w: WorkerState) -> int:
+    """The worker's step budget: its last heartbeat's (it sizes its steps again while idle), else its Hello's."""
+    reported = w.stats.max_num_batched_tokens if w.stats is not None else 0  # 0: a heartbeat without it
+    return reported or w.hello.max_num_batched_tokens
+
+
 def _liveness(pool: WorkerPool, workers: list[WorkerState], model_name: str) -> list[str]:
     """Step progress and health per worker (slow is load, never a failure), the step budget each chose, the
     send queue per worker, and the workers lost by kind (dead, frozen, hung, ...)."""
@@ -92,7 +98,7 @@ def _liveness(pool: WorkerPool, workers: list[WorkerState], model_name: str) -> 
         ("kvgate:worker_steps_total", "counter", "Engine steps the worker has completed.",
          lambda w: None if w.stats is None else w.stats.steps_done),
         ("kvgate:worker_max_num_batched_tokens", "gauge", "The worker's token budget per step (set, or sized to "
-         "its machine at start).", lambda w: w.hello.max_num_batched_tokens),
+         "its machine at start and again while idle).", _budget),
         ("kvgate:ipc_send_queue", "gauge", "Messages queued for the worker's sender (bounded).",
          lambda w: w.outbox_depth()))
     for name, kind, help_, get in per_worker:

@@ -62,7 +62,25 @@ class BlockManager:
         self.prefix_hits += hit_tokens
 
     def reset_counters(self) -> None:
-        self.prefix_queries = self.prefix_hits = 0
+        self.restore_counters(0, 0)
+
+    def restore_counters(self, prefix_queries: int, prefix_hits: int) -> None:
+        self.prefix_queries, self.prefix_hits = prefix_queries, prefix_hits
+
+    def cached_hashes(self) -> set[bytes]:
+        """The content hashes the prefix cache holds now (a copy)."""
+        return set(self._cached)
+
+    def uncache(self, hashes: Iterable[bytes]) -> None:
+        """Forget these prefix-cache entries; their blocks, where free, go to the front of the free list (the
+        next to be taken). A block some request still holds only loses its hash."""
+        for h in hashes:
+            block_id = self._cached.pop(h, None)
+            if block_id is None:
+                continue
+            self.blocks[block_id].block_hash = None
+            if block_id in self._free:
+                self._free.move_to_end(block_id, last=False)
 
     # ---- queries -------------------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from workers.core.block_manager import BlockManager
 from workers.core import priority
@@ -20,6 +20,18 @@ from workers.core.outputs import (PromptLogprob, RequestTimings, Sampled, Sample
 from workers.core.request import Request, RequestStatus
 from workers.core.scheduler_config import SchedulerConfig
 from workers.core.spec_decode import SpecCounters
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """The scheduler's cumulative counters at one moment (``Scheduler.counters``)."""
+
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_queries: int
+    prefix_hits: int
+    spec: SpecCounters
 
 
 class Scheduler:
@@ -44,9 +56,22 @@ class Scheduler:
 
     def reset_counters(self) -> None:
         """The cumulative counters (preemptions, tokens, prefix hits, drafts) from zero."""
-        self.num_preemptions = self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.bm.reset_counters()
-        self.spec_counters.reset()
+        self.restore_counters(Counters(0, 0, 0, 0, 0, SpecCounters()))
+
+    def counters(self) -> Counters:
+        """A copy of the cumulative counters, for ``restore_counters``."""
+        sc = self.spec_counters
+        return Counters(self.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
+                        self.bm.prefix_queries, self.bm.prefix_hits,
+                        SpecCounters(sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens,
+                                     list(sc.accepted_per_pos)))
+
+    def restore_counters(self, c: Counters) -> None:
+        self.num_preemptions, self.prompt_tokens_total = c.num_preemptions, c.prompt_tokens_total
+        self.generation_tokens_total = c.generation_tokens_total
+        self.bm.restore_counters(c.prefix_queries, c.prefix_hits)
+        self.spec_counters = SpecCounters(c.spec.num_drafts, c.spec.num_draft_tokens, c.spec.num_accepted_tokens,
+                                          list(c.spec.accepted_per_pos))
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

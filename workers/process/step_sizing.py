@@ -1,4 +1,4 @@
-"""Size the engine's step to the machine: measure prefill speed at start-up, pick the token budget.
+"""Size the engine's step to the machine: measure prefill speed, pick the token budget, and measure again later.
 
 One engine step computes up to ``max_num_batched_tokens`` tokens (decodes first, then prefill chunks), and
 every running stream waits for the whole step before its next token. The same budget that is fine on a Zen 4
@@ -8,12 +8,18 @@ fits ``step_ms(n) = fixed_ms + per_token_ms * n`` and gives each step's prefill 
 stays under ``--target-step-ms``, plus one decode token for each of ``max_num_seqs`` running requests: decodes
 cost far less per token than prefill, are served first, and must never crowd prefill out entirely (a budget of
 only ``max_num_seqs`` would starve every waiting request while the batch is full).
+
+A worker that starts beside other work (its siblings loading, a test suite, a compile) measures the machine
+slower than it is: one such start timed 3.6 s a step and kept the floor budget for life. Contention only ever
+adds time, so the worker probes again while it is idle (``Resizer``: a few times, further apart each time,
+given up at once when a message arrives) and keeps the fastest time seen for each probe length.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,7 +35,13 @@ DEFAULT_TARGET_STEP_MS: Final = {"cpu": 500.0, "cuda": 100.0}
 CEILING: Final = 8192  # beyond this a larger chunk buys nothing but memory for activations
 MIN_PREFILL_CHUNK: Final = 32  # on the slowest machine prefill still advances this much per step
 _SHORT, _LONG = 32, 256  # probe prompt lengths (tokens)
+_REPEATS: Final = 3  # the best of three per length: one hiccup of the machine does not shrink the budget
 _SALT: Final = "\0step-sizing"  # never a tenant's salt: nothing of the probes is shared with real requests
+# Probing again: after this long idle, at these intervals after start-up's probe (then never again). Each round
+# costs one short and one long prefill per repeat of CPU time nobody waits for; a message arriving between two
+# probes ends the round, so a request waits at most one probe step.
+RESIZE_IDLE_S: Final = 5.0
+RESIZE_AFTER_S: Final = (30.0, 300.0, 1800.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +50,18 @@ class StepSizing:
     fixed_ms: float  # cost of a step regardless of its tokens
     per_token_ms: float  # cost of one more prefill token
     target_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeTimes:
+    """The fastest wall time seen for a short and a long probe prefill (ms), and the long one's length."""
+
+    short_ms: float
+    long_ms: float
+    long_n: int
+
+    def best(self, other: ProbeTimes) -> ProbeTimes:
+        return ProbeTimes(min(self.short_ms, other.short_ms), min(self.long_ms, other.long_ms), self.long_n)
 
 
 def default_target_ms(device: str) -> float:
@@ -56,21 +80,77 @@ def _prefill_ms(engine: LLMEngine, n: int, tag: str) -> float:
     return elapsed
 
 
-def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> StepSizing:
-    """Time probe prefills (the best of three each, so a hiccup of the machine does not shrink the budget for
-    the worker's whole life) and size the budget. The engine's counters are reset afterwards."""
+def _probe(engine: LLMEngine, round_: int, stop: Callable[[], bool]) -> ProbeTimes | None:
+    """Time the probes (short and long, ``_REPEATS`` each, alternating) in one step each; None if ``stop`` said
+    so between two of them. The engine's budget is restored and its counters and prefix cache are as before."""
     long_n = max(_SHORT + 1, min(_LONG, engine.max_model_len - 1))
-    engine.set_token_budget(max(long_n, engine.scheduler.config.max_num_batched_tokens))  # a probe in one step
-    short = min(_prefill_ms(engine, _SHORT, f"s{i}") for i in range(3))
-    long = min(_prefill_ms(engine, long_n, f"l{i}") for i in range(3))
-    per_token = max((long - short) / (long_n - _SHORT), 1e-6)
-    fixed = max(0.0, short - per_token * _SHORT)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    engine.set_token_budget(max(long_n, budget))  # a probe in one step
+    short, long = float("inf"), float("inf")
+    try:
+        for i in range(_REPEATS):
+            for n in (_SHORT, long_n):
+                if stop():
+                    return None
+                with engine.uncounted():  # each probe: its blocks are the next one's, not a tenant's prefix
+                    ms = _prefill_ms(engine, n, f"{'s' if n == _SHORT else 'l'}{round_}.{i}")
+                short, long = (min(short, ms), long) if n == _SHORT else (short, min(long, ms))
+    finally:
+        engine.set_token_budget(budget)
+    return ProbeTimes(short, long, long_n)
+
+
+def fit(times: ProbeTimes, target_ms: float, max_num_seqs: int) -> StepSizing:
+    """The budget from the probe times: the largest prefill chunk under the target, plus the decodes."""
+    per_token = max((times.long_ms - times.short_ms) / (times.long_n - _SHORT), 1e-6)
+    fixed = max(0.0, times.short_ms - per_token * _SHORT)
     chunk = max(MIN_PREFILL_CHUNK, int((target_ms - fixed) / per_token))
-    budget = min(CEILING, max_num_seqs + chunk)
-    engine.reset_counters()
-    return StepSizing(budget, fixed, per_token, target_ms)
+    return StepSizing(min(CEILING, max_num_seqs + chunk), fixed, per_token, target_ms)
+
+
+def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> tuple[StepSizing, ProbeTimes]:
+    """Start-up's probe (nothing else runs yet, so nothing stops it) and the budget it gives."""
+    times = _probe(engine, 0, lambda: False)
+    if times is None:  # cannot happen: nothing stops it
+        raise RuntimeError("start-up step sizing was interrupted")
+    engine.reset_counters()  # nothing before this was traffic (a warm-up)
+    return fit(times, target_ms, max_num_seqs), times
 
 
 def apply(engine: LLMEngine, budget: int) -> None:
     """Give the engine's steps this token budget."""
     engine.set_token_budget(budget)
+
+
+class Resizer:
+    """Probes again while the engine is idle, a few times (``RESIZE_AFTER_S``), and keeps the fastest times.
+
+    Owned by the engine thread, which calls ``maybe_run`` when it has been idle; pure timing logic besides the
+    probes themselves, so the schedule is testable with a fake clock."""
+
+    def __init__(self, sizing: StepSizing, times: ProbeTimes, max_num_seqs: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sizing, self.times, self.max_num_seqs, self.clock = sizing, times, max_num_seqs, clock
+        self._started = clock()
+        self._rounds_done = 0  # rounds completed (an interrupted one is tried again at the next idle time)
+
+    def due(self, idle_s: float) -> bool:
+        if self._rounds_done >= len(RESIZE_AFTER_S) or idle_s < RESIZE_IDLE_S:
+            return False
+        return self.clock() - self._started >= RESIZE_AFTER_S[self._rounds_done]
+
+    def maybe_run(self, engine: LLMEngine, idle_s: float, stop: Callable[[], bool]) -> StepSizing | None:
+        """Probe if due; the new sizing when it gives a different budget (already applied), else None."""
+        if not self.due(idle_s):
+            return None
+        times = _probe(engine, self._rounds_done + 1, stop)
+        if times is None:
+            return None
+        self._rounds_done += 1
+        self.times = self.times.best(times)
+        sizing = fit(self.times, self.sizing.target_ms, self.max_num_seqs)
+        if sizing.max_num_batched_tokens == self.sizing.max_num_batched_tokens:
+            return None
+        self.sizing = sizing
+        apply(engine, sizing.max_num_batched_tokens)
+        return sizing

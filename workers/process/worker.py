@@ -48,8 +48,10 @@ def to_msg(o: StepOutput) -> RequestOutputMsg:
 class Worker:
     """The engine thread: owns the engine and the deadlines of the requests it runs."""
 
-    def __init__(self, engine: LLMEngine, io: WorkerIO, step_delay: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, io: WorkerIO, step_delay: float = 0.0,
+                 resizer: step_sizing.Resizer | None = None) -> None:
         self.engine, self.io = engine, io
+        self.resizer = resizer  # sizes the steps again while idle (None: the operator fixed the budget)
         self.step_delay = step_delay  # test and drill hook (--debug-step-delay): a slow machine on demand
         self.deadlines: dict[str, float] = {}  # request id -> unix deadline
         self.draining = False
@@ -98,7 +100,8 @@ class Worker:
                 del self.deadlines[rid]
 
     def publish(self) -> None:
-        self.io.publish(EngineSnapshot(self.engine.stats(), tuple(self.engine.scheduler.requests)))
+        self.io.publish(EngineSnapshot(self.engine.stats(), tuple(self.engine.scheduler.requests),
+                                       self.engine.scheduler.config.max_num_batched_tokens))
 
     def step(self) -> None:
         clock = self.io.clock
@@ -120,6 +123,7 @@ class Worker:
 
     def run(self) -> str:
         self.publish()
+        active = time.monotonic()  # the last step or message: idle time is measured from here
         while True:
             busy = self.engine.has_unfinished()
             # Idle: sleep until the gateway says something (the I/O thread keeps the heartbeats going).
@@ -134,8 +138,21 @@ class Worker:
             if self.engine.has_unfinished():
                 self.step()
                 self.publish()
+            elif not msgs:
+                self._resize(time.monotonic() - active)
+            if msgs or self.engine.has_unfinished():
+                active = time.monotonic()
             if self.draining and not self.engine.has_unfinished():
                 return "drained"
+
+    def _resize(self, idle_s: float) -> None:
+        """While idle, size the steps again if it is time (step_sizing.Resizer); a message stops the probes."""
+        if self.resizer is None or self.draining:
+            return
+        sizing = self.resizer.maybe_run(self.engine, idle_s, self.io.has_messages)
+        if sizing is not None:
+            self.publish()  # the next heartbeat carries the new budget
+            _log_sizing(sizing, "step budget now %d tokens")
 
 
 def _hold_the_gil(seconds: float) -> None:
@@ -146,21 +163,27 @@ def _hold_the_gil(seconds: float) -> None:
         pass
 
 
-def _size_steps(engine: LLMEngine, a: argparse.Namespace, progress: StartupProgress) -> int:
-    """The step's token budget: the operator's, or measured so a step stays under --target-step-ms."""
+def _size_steps(engine: LLMEngine, a: argparse.Namespace,
+                progress: StartupProgress) -> tuple[int, step_sizing.Resizer | None]:
+    """The step's token budget: the operator's, or measured so a step stays under --target-step-ms (and then the
+    Resizer that measures again while the worker is idle)."""
     if a.max_num_batched_tokens is not None:
         step_sizing.apply(engine, a.max_num_batched_tokens)
-        return int(a.max_num_batched_tokens)
+        return int(a.max_num_batched_tokens), None
     target = a.target_step_ms if a.target_step_ms is not None else step_sizing.default_target_ms(a.device)
     with progress.step(f"sizing steps to the machine (target {target:.0f} ms)"):
-        sizing = step_sizing.measure(engine, target, a.max_num_seqs)
+        sizing, times = step_sizing.measure(engine, target, a.max_num_seqs)
     step_sizing.apply(engine, sizing.max_num_batched_tokens)
-    log.info("step budget %d tokens (measured: %.1f ms per step + %.3f ms per prefill token; target %.0f ms)",
-             sizing.max_num_batched_tokens, sizing.fixed_ms, sizing.per_token_ms, target,
+    _log_sizing(sizing, "step budget %d tokens")
+    return sizing.max_num_batched_tokens, step_sizing.Resizer(sizing, times, a.max_num_seqs)
+
+
+def _log_sizing(sizing: step_sizing.StepSizing, what: str) -> None:
+    log.info(what + " (measured: %.1f ms per step + %.3f ms per prefill token; target %.0f ms)",
+             sizing.max_num_batched_tokens, sizing.fixed_ms, sizing.per_token_ms, sizing.target_ms,
              extra={"fields": {"event": "step_sizing", "max_num_batched_tokens": sizing.max_num_batched_tokens,
                                "fixed_ms": round(sizing.fixed_ms, 2), "per_token_ms": round(sizing.per_token_ms, 4),
-                               "target_step_ms": target}})
-    return sizing.max_num_batched_tokens
+                               "target_step_ms": sizing.target_ms}})
 
 
 def hello_for(engine: LLMEngine, worker_id: str, model_name: str) -> Hello:
@@ -207,14 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     progress = StartupProgress(f"worker {a.worker_id}")
     engine, _ = engine_from_config(cfg, progress)
-    budget = _size_steps(engine, a, progress)
+    budget, resizer = _size_steps(engine, a, progress)
     bm = engine.scheduler.bm
     progress.done(f"ready: {bm.num_blocks} KV blocks of {bm.block_size} tokens, max_model_len "
                   f"{engine.max_model_len}, step budget {budget} tokens")
-    return _serve(engine, a, curve)
+    return _serve(engine, a, curve, resizer)
 
 
-def _serve(engine: LLMEngine, a: argparse.Namespace, curve: ClientCurve | None = None) -> int:
+def _serve(engine: LLMEngine, a: argparse.Namespace, curve: ClientCurve | None = None,
+           resizer: step_sizing.Resizer | None = None) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
     sock = worker_dealer(ctx, a.connect, a.worker_id, curve=curve)
     if curve is not None:
@@ -225,7 +249,7 @@ def _serve(engine: LLMEngine, a: argparse.Namespace, curve: ClientCurve | None =
     try:
         send(sock, io.hello, timeout_ms=10_000)  # before the I/O thread owns the socket
         io.start()
-        reason = Worker(engine, io, a.debug_step_delay).run()
+        reason = Worker(engine, io, a.debug_step_delay, resizer).run()
         log.info("worker %s exiting: %s", a.worker_id, reason)
         if reason == REFUSED:
             status = 1  # a supervisor (systemd, Kubernetes) sees the failure; restarting will not fix a key

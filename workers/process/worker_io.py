@@ -64,6 +64,7 @@ class EngineSnapshot:
 
     stats: EngineStats
     request_ids: tuple[str, ...]
+    max_num_batched_tokens: int  # the step's token budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,10 @@ class WorkerIO:
             pass
         return items
 
+    def has_messages(self) -> bool:
+        """Whether something waits for ``take`` (an idle-time probe gives way to it)."""
+        return not self.inbox.empty()
+
     def send(self, msg: Message) -> None:
         """Hand a message to the I/O thread; blocks while OUTBOX_HWM frames wait (backpressure)."""
         self._push.send(encode(msg))
@@ -167,7 +172,8 @@ class WorkerIO:
                      s.num_total_blocks, s.num_preemptions, s.prefix_queries, s.prefix_hits,
                      s.prompt_tokens_total, s.generation_tokens_total, time.time(), self.clock.steps_done,
                      self.clock.elapsed(), ids, s.spec_num_drafts, s.spec_num_draft_tokens,
-                     s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
+                     s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos),
+                     snap.max_num_batched_tokens if snap is not None else self.hello.max_num_batched_tokens)
 
     def _run(self) -> None:
         try:
