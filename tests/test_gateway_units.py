@@ -82,7 +82,7 @@ def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     ({"model": "m", "prompt": "a", "echo": "yes"}, "echo"),
     ({"model": "m", "prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
-    ({"model": "m", "prompt": [[1], [2]]}, "prompt"),
+    ({"model": "m", "prompt": [[1], "a", 3]}, "prompt"),  # a list of prompts holds strings or id arrays only
 ])
 def test_parse_completion_rejects(tok: GatewayTokenizer, body: dict[str, object], param: str) -> None:
     with pytest.raises(APIError) as e:

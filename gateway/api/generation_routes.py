@@ -27,7 +27,7 @@ from gateway.base.handle import RequestFailed
 from gateway.base.principal import Principal
 from gateway.fleet.pool import unix_deadline
 from gateway.pipeline.admission import RequestAccount
-from gateway.pipeline.choices import Choices, submit_all
+from gateway.pipeline.choices import Choices, prompt_text, submit_all
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import Account, SSEBody, StreamProducer, complete, failure_to_api_error
@@ -112,8 +112,8 @@ async def reserve(principal: Principal, req: GenerationRequest, request_id: str,
     state = app_state()
     with rt.phase("quota"):
         try:
-            g.ratelimit_headers = await state.tenancy.quota.admit(principal, request_id, len(req.prompt_ids),
-                                                                  req.max_tokens, req.best_of)
+            g.ratelimit_headers = await state.tenancy.quota.admit(principal, request_id, req.prompt_tokens,
+                                                                  req.max_tokens, req.sequences)
         except APIError as e:
             g.ratelimit_headers = {}  # the denial carries its own x-ratelimit headers: no second look
             state.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
@@ -150,10 +150,10 @@ async def submit(principal: Principal, req: GenerationRequest, request_id: str, 
     sub = route_submission(principal.tier, req.priority, cfg.engine.values.get("scheduling_policy"))
     # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
-                             len(req.prompt_ids), rt, req.stream, tier=sub.tier,
-                             prompt_text=tok.decode(req.prompt_ids) if principal.log_text else None,
+                             req.prompt_tokens, rt, req.stream, tier=sub.tier,
+                             prompt_text=prompt_text(req, tok) if principal.log_text else None,
                              adapter=None if adapter is None else adapter.name)
-    choices = Choices(pool, request_id, req.n, req.best_of)
+    choices = Choices(pool, request_id, req.n, req.best_of, len(req.prompts()))
     timeout = cfg.timing.request_timeout
     try:
         with rt.phase("queue") as span:

@@ -17,7 +17,7 @@ from quart import Response
 
 from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
-from gateway.pipeline.protocol import MAX_N
+from gateway.pipeline.protocol import MAX_N, MAX_SEQUENCES
 from tenancy.tiers import TIER_NAMES
 
 Json = dict[str, Any]
@@ -104,7 +104,11 @@ _CHAT = {"type": "object", "required": ["model", "messages"], "additionalPropert
     "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": _FUNCTION_TOOL}, "tool_choice": _TOOL_CHOICE,
     "parallel_tool_calls": _BOOL, "prompt_logprobs": _PROMPT_LOGPROBS}}
 _COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
-    **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS]},
+    **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_SEQUENCES,
+                                                      "items": {"oneOf": [_STR, _TOKEN_IDS]}}],
+                          "description": "a prompt, or a list of prompts (strings or token-id arrays): each gets its "
+                                         "n choices, indexed prompt * n + choice; prompts x best_of at most "
+                                         f"{MAX_SEQUENCES}; usage counts every prompt"},
     "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": _BOOL, "best_of": _BEST_OF,
     "prompt_logprobs": _PROMPT_LOGPROBS}}
 _QUOTA = {"type": "object", "additionalProperties": False, "properties": {

@@ -35,7 +35,7 @@ from gateway.batches.objects import failure_line, success_line, unrun_line
 from gateway.fleet.pool import WorkerPool, unix_deadline
 from gateway.pipeline.adapters import AdapterCatalog
 from gateway.pipeline.admission import QuotaGate, RequestAccount
-from gateway.pipeline.choices import Choices, submit_all
+from gateway.pipeline.choices import Choices, prompt_text, submit_all
 from gateway.pipeline.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.pipeline.responses import ResponseBuilder
 from gateway.pipeline.streaming import complete, failure_to_api_error
@@ -231,7 +231,7 @@ class LineRunner:
         p = self._pipe
         with rt.phase("quota"):
             try:
-                await p.quota.admit(principal, line.request_id, len(req.prompt_ids), req.max_tokens, req.best_of)
+                await p.quota.admit(principal, line.request_id, req.prompt_tokens, req.max_tokens, req.sequences)
             except APIError as e:
                 p.metrics.rejected.labels(principal.tenant_name, e.code or "refused").inc()
                 raise
@@ -269,10 +269,10 @@ class LineRunner:
         capture = _Capture()
         sub = line_submission(principal.tier, req.priority, p.priority)  # the batch tier, whatever the tenant's
         account = RequestAccount(p.quota, capture, p.metrics, principal, line.request_id, p.model,
-                                 len(req.prompt_ids), rt, False, tier=sub.tier,
-                                 prompt_text=p.tokenizer.decode(req.prompt_ids) if principal.log_text else None,
+                                 req.prompt_tokens, rt, False, tier=sub.tier,
+                                 prompt_text=prompt_text(req, p.tokenizer) if principal.log_text else None,
                                  adapter=None if adapter is None else adapter.name)
-        choices = Choices(p.pool, line.request_id, req.n, req.best_of)
+        choices = Choices(p.pool, line.request_id, req.n, req.best_of, len(req.prompts()))
         try:
             with rt.phase("queue") as span:
                 await submit_all(p.pool, choices, req, p.tokenizer, principal.cache_salt,

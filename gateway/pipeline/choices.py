@@ -15,7 +15,10 @@ seed the sequences draw from the worker's shared generator and differ; greedy on
 Ranking: when ``best_of > n`` the ``n`` sequences with the highest cumulative logprob (the sum of their kept
 tokens' logprobs) are returned, best first (ties in generation order); otherwise all, in generation order.
 
-Accounting reads a ``Choices`` as a whole: the prompt counts once, completion tokens are summed over every
+A completions request that lists several prompts has ``best_of`` sequences per prompt, prompt by prompt; each
+prompt's are ranked among themselves and its ``n`` returned ones are choices ``prompt * n ..`` (OpenAI's order).
+
+Accounting reads a ``Choices`` as a whole: each prompt counts once, completion tokens are summed over every
 sequence generated (best_of's unreturned ones too: they were computed).
 """
 
@@ -64,12 +67,14 @@ class Child:
 class Choices:
     """One request's sequences; ``release_all`` (sync, idempotent) in the ``finally`` of whoever owns them."""
 
-    def __init__(self, pool: Releaser, request_id: str, n: int = 1, best_of: int | None = None) -> None:
+    def __init__(self, pool: Releaser, request_id: str, n: int = 1, best_of: int | None = None,
+                 prompts: int = 1) -> None:
         self.pool = pool
         self.request_id = request_id  # the client's id; the ledger's; a worker's too when there is one sequence
-        self.n = n
-        self.best_of = best_of or n
-        self.children: list[Child] = []
+        self.n = n  # choices returned per prompt
+        self.best_of = best_of or n  # sequences generated per prompt
+        self.prompts = prompts
+        self.children: list[Child] = []  # prompt by prompt, best_of each
 
     @classmethod
     def single(cls, pool: Releaser, handle: RequestHandle, asm: OutputAssembler) -> Choices:
@@ -78,7 +83,15 @@ class Choices:
         return choices
 
     def child_id(self, index: int) -> str:
-        return self.request_id if self.best_of == 1 else f"{self.request_id}-{index}"
+        return self.request_id if self.best_of * self.prompts == 1 else f"{self.request_id}-{index}"
+
+    @property
+    def num_returned(self) -> int:
+        return self.n * self.prompts
+
+    def _groups(self) -> list[list[Child]]:
+        """The sequences of each prompt."""
+        return [self.children[p * self.best_of:(p + 1) * self.best_of] for p in range(self.prompts)]
 
     def release(self, child: Child) -> None:
         self.pool.release(child.handle)
@@ -97,11 +110,15 @@ class Choices:
         return bool(self.children) and all(c.asm.finished for c in self.children)
 
     def returned(self) -> list[OutputAssembler]:
-        """The sequences the client gets, in choice order (best first when best_of ranked them)."""
-        asms = [c.asm for c in self.children]
-        if len(asms) <= self.n:
-            return asms
-        return sorted(asms, key=lambda a: a.cumulative_logprob, reverse=True)[:self.n]  # stable: ties keep order
+        """The sequences the client gets, in choice order: prompt by prompt, each prompt's best first when best_of
+        ranked them."""
+        out: list[OutputAssembler] = []
+        for group in self._groups():
+            asms = [c.asm for c in group]
+            # stable: ties keep generation order
+            out += asms if len(asms) <= self.n else sorted(asms, key=lambda a: a.cumulative_logprob,
+                                                           reverse=True)[:self.n]
+        return out
 
     # ---- what accounting and tracing read (OutputAssembler's names, over every sequence) ------------------
 
@@ -117,8 +134,9 @@ class Choices:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens that every sequence found in the prefix cache (the prompt is billed once)."""
-        return min((c.asm.num_cached_tokens for c in self.children), default=0)
+        """Prompt tokens that every sequence of a prompt found in the prefix cache, summed over the prompts (each
+        prompt is billed once)."""
+        return sum(min((c.asm.num_cached_tokens for c in group), default=0) for group in self._groups())
 
     @property
     def first_token_at(self) -> float | None:
@@ -151,19 +169,28 @@ class Choices:
         return [a.text for a in self.returned()]
 
 
+def prompt_text(req: GenerationRequest, tok: GatewayTokenizer) -> str:
+    """The request's prompts as text, for a tenant that opted in to text logging (several: one a line)."""
+    return "\n".join(tok.decode(p.ids) for p in req.prompts())
+
+
 async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest, tok: GatewayTokenizer,
                      cache_salt: str | None, deadline: float | None, weight: float,
                      trace_context: dict[str, str] | None, *, tier: str = DEFAULT_TIER,
                      priority: int | None = None, adapter: LoraAdapterRecord | None = None) -> None:
-    """Queue one worker request per sequence, one after the other (the first one's prefix affinity then draws the
-    rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
+    """Queue one worker request per sequence, one after the other (a prompt's first one's prefix affinity then draws
+    the rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
     ``tier``: the class admitted (``tenancy/tiers.py``); ``priority``: what the workers get (None: the request's
     own, ``gateway.pipeline.tiering``); ``adapter``: the LoRA adapter every sequence runs with (workers are sent its
     directory). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued."""
-    for i in range(choices.best_of):
-        handle = await pool.submit(choices.child_id(i), req.prompt_ids, child_sampling(req.sampling, i), cache_salt,
-                                   deadline, weight, trace_context, near=choices.worker_id,
-                                   priority=req.priority if priority is None else priority, tier=tier,
-                                   lora=None if adapter is None else adapter.path,
-                                   adapter=None if adapter is None else adapter.name)
-        choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, i)))
+    for p, prompt in enumerate(req.prompts()):
+        for i in range(choices.best_of):
+            # each prompt's sequences are drawn to where its first one went; prompts spread like requests would
+            near = choices.children[p * choices.best_of].handle.worker_id if i else None
+            handle = await pool.submit(choices.child_id(len(choices.children)), prompt.ids,
+                                       child_sampling(req.sampling, i), cache_salt, deadline, weight, trace_context,
+                                       near=near, priority=req.priority if priority is None else priority, tier=tier,
+                                       lora=None if adapter is None else adapter.path,
+                                       adapter=None if adapter is None else adapter.name)
+            # the streamed choice index (best_of > n never streams: its indexes are the ranks)
+            choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, p * req.n + i)))

@@ -6,7 +6,9 @@ and the worker can never disagree on what is valid. A JSON ``null`` means "not g
 
 ``n`` (both routes) and ``best_of`` (completions only, as OpenAI) ask for several sequences of one prompt; each
 becomes a worker request of its own (``gateway.pipeline.choices``). Both are at most ``MAX_N``; ``best_of`` is at
-least ``n`` and cannot stream when it is larger (the best are known only once all have ended).
+least ``n`` and cannot stream when it is larger (the best are known only once all have ended). A completions
+``prompt`` may be a list of prompts (strings or token-id arrays, as OpenAI's and vLLM's): every prompt gets its
+``n`` choices, indexed ``prompt * n + choice``, at most ``MAX_SEQUENCES`` sequences in all.
 """
 
 from __future__ import annotations
@@ -31,14 +33,23 @@ MAX_TOP_LOGPROBS = 20
 MAX_PRIORITY = 2**31 - 1  # vLLM's priority is any int; the wire carries it in 32 bits comfortably
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for: each holds its own KV blocks on a worker
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SEQUENCES = 64  # prompts x best_of of one completions request (LangChain batches 20 prompts by default)
 
 Kind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """One prompt of a completions request that lists several."""
+
+    ids: list[int]
+    echo: str | None = None  # with echo: its text, sent before its choices' completions
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     kind: Kind
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the prompt (the first one, when a completions request lists several: ``batch``)
     sampling: SamplingParams  # validated here; what the worker gets
     max_tokens: int
     stop: tuple[str, ...]
@@ -52,6 +63,21 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs with this many alternatives
     echo: str | None = None  # completions with echo: the prompt's text, sent before the completion
     priority: int = 0  # vLLM's: lower runs sooner (workers' priority scheduling policy; fcfs refuses others)
+    batch: tuple[Prompt, ...] = ()  # a completions request that lists prompts: all of them, in order
+
+    def prompts(self) -> tuple[Prompt, ...]:
+        """Every prompt, in choice order (one, but for a completions request that lists several)."""
+        return self.batch or (Prompt(self.prompt_ids, self.echo),)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """What the request's prompts count (usage, quota): every prompt's tokens."""
+        return sum(len(p.ids) for p in self.batch) if self.batch else len(self.prompt_ids)
+
+    @property
+    def sequences(self) -> int:
+        """Worker requests it makes: ``best_of`` per prompt."""
+        return self.best_of * max(1, len(self.batch))
 
 
 # ---- field types ---------------------------------------------------------------------------------
@@ -159,23 +185,34 @@ def _token_ids(value: Any, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def _completion_prompt(value: Any, tok: GatewayTokenizer) -> list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one: [text] or [[ids]]
-    if isinstance(value, str):
+def _completion_prompts(value: Any, tok: GatewayTokenizer) -> list[tuple[list[int], str | None]]:
+    """``prompt``: a string, token ids, or a list of either (a batch); each prompt's ids and its text, if it was
+    text (what ``echo`` returns for it)."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_SEQUENCES:
+            raise bad_request(f"'prompt' lists {len(value)} prompts; at most {MAX_SEQUENCES} are allowed",
+                              param="prompt")
+        return [_one_prompt(v, tok, f"prompt[{i}]" if len(value) > 1 else "prompt") for i, v in enumerate(value)]
+    if isinstance(value, list) and not value:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    return [_one_prompt(value, tok, "prompt")]
+
+
+def _one_prompt(value: Any, tok: GatewayTokenizer, where: str) -> tuple[list[int], str | None]:
+    text = value if isinstance(value, str) else None
+    if text is not None:
         try:
-            ids = tok.encode(value)
+            ids = tok.encode(text)
         except InvalidText as e:
-            raise bad_request(str(e), param="prompt") from e
+            raise bad_request(f"{where}: {e}" if where != "prompt" else str(e), param="prompt") from e
     elif isinstance(value, list) and all(type(t) is int for t in value):
         ids = _token_ids(value, tok.vocab_size, "prompt")
-    elif isinstance(value, list):
-        raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt")
     else:
-        raise bad_request("'prompt' must be a string or an array of token ids", param="prompt")
+        raise bad_request("'prompt' must be a string, an array of token ids, or an array of either",
+                          param="prompt")
     if not ids:
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    return ids
+        raise bad_request(f"'{where}' must not be empty", param="prompt")
+    return ids, text
 
 
 # ---- assembly ----------------------------------------------------------------------------------
@@ -266,12 +303,10 @@ def _prompt_logprobs(fields: dict[str, Any]) -> int | None:
     return k
 
 
-def _echo_text(fields: dict[str, Any], prompt_ids: list[int], tok: GatewayTokenizer) -> str | None:
+def _echo(fields: dict[str, Any], ids: list[int], text: str | None, tok: GatewayTokenizer) -> str | None:
     if not fields.get("echo", False):
         return None
-    prompt = fields["prompt"]
-    text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
-    return text if isinstance(text, str) else tok.decode(prompt_ids)  # token ids: their text
+    return text if text is not None else tok.decode(ids)  # token ids: their text
 
 
 def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
@@ -310,20 +345,25 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     best_of = _best_of(fields, n, stream)
     if "prompt" not in fields:
         raise bad_request("'prompt' is required", param="prompt")
-    prompt_ids = _completion_prompt(fields["prompt"], tok)
+    given = _completion_prompts(fields["prompt"], tok)
+    if len(given) * best_of > MAX_SEQUENCES:
+        raise bad_request(f"{len(given)} prompts x {best_of} sequences each is {len(given) * best_of}; at most "
+                          f"{MAX_SEQUENCES} sequences a request", param="prompt")
+    prompts = tuple(Prompt(ids, _echo(fields, ids, text, tok)) for ids, text in given)
     n_top = fields.get("logprobs")
     if n_top is not None and not 0 <= n_top <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
-    max_tokens = _max_tokens(fields, "max_tokens", len(prompt_ids), max_model_len,
+    max_tokens = _max_tokens(fields, "max_tokens", max(len(p.ids) for p in prompts), max_model_len,
                              COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", default_max_tokens_cap)
     # Ranking needs each sampled token's logprob: ask the worker for it (0 alternatives) even when the client
     # did not ask for logprobs; OutputAssembler returns them only to a client that did.
     worker_top = 0 if n_top is None and best_of > n else n_top
     prompt_lps = _prompt_logprobs(fields)
-    echo = _echo_text(fields, prompt_ids, tok)
+    echo = prompts[0].echo
     # echo with logprobs returns the prompt's tokens with theirs, as OpenAI's legacy completions did
     wanted = [k for k in (prompt_lps, n_top if echo is not None else None) if k is not None]
     worker_prompt_lps = max(wanted) if wanted else None
     sampling = _sampling(fields, max_tokens, worker_top, tok.vocab_size, prompt_logprobs=worker_prompt_lps)
-    return GenerationRequest("completion", prompt_ids, sampling, max_tokens, stop, stream, include_usage,
-                             n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo, _priority(fields))
+    return GenerationRequest("completion", prompts[0].ids, sampling, max_tokens, stop, stream, include_usage,
+                             n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo, _priority(fields),
+                             prompts if len(prompts) > 1 else ())

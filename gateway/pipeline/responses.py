@@ -88,7 +88,7 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
     def usage(self, choices: Choices) -> dict[str, Any]:
-        return usage(len(self.req.prompt_ids), choices.completion_tokens, choices.cached_tokens)
+        return usage(self.req.prompt_tokens, choices.completion_tokens, choices.cached_tokens)
 
     # ---- streaming ------------------------------------------------------------------------------
 
@@ -106,13 +106,14 @@ class ResponseBuilder:
             return "", None, None
         self._prompt_done.add(index)
         req, lps = self.req, lps or []
+        prompt = req.prompts()[index // req.n]  # choices go prompt by prompt, n each
         echo_lp = None
-        if req.echo is not None and req.logprobs:
-            echo_lp = echo_logprobs(self.tok, req.prompt_ids, lps, req.top_logprobs)
-            self._text_offsets[index] = len(req.echo)
-        plp = None if req.prompt_logprobs is None else vllm_prompt_logprobs(self.tok, req.prompt_ids, lps,
+        if prompt.echo is not None and req.logprobs:
+            echo_lp = echo_logprobs(self.tok, prompt.ids, lps, req.top_logprobs)
+            self._text_offsets[index] = len(prompt.echo)
+        plp = None if req.prompt_logprobs is None else vllm_prompt_logprobs(self.tok, prompt.ids, lps,
                                                                             req.prompt_logprobs)
-        return req.echo or "", echo_lp, plp
+        return prompt.echo or "", echo_lp, plp
 
     def _prompt_due(self, index: int) -> bool:
         return index not in self._prompt_done and (self.req.echo is not None or self.req.prompt_logprobs is not None)

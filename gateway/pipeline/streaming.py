@@ -243,7 +243,7 @@ class StreamProducer(EventProducer):
 
     async def _stream(self) -> None:
         try:
-            for index in range(self.choices.n):
+            for index in range(self.choices.num_returned):
                 first = self.builder.first_chunk(index)
                 if first is not None:
                     await self._put(sse_event(first))
