@@ -125,6 +125,12 @@ def _str_dict(v: object, where: str) -> dict[str, str]:
     return v
 
 
+def _logit_bias(v: object, where: str) -> list[tuple[int, float]]:
+    """[[token id, bias], ...]: SamplingParams checks the ranges."""
+    return [(_int(p[0], f"{where}[{i}]"), _float(p[1], f"{where}[{i}]"))
+            for i, p in enumerate(_array(x, f"{where}[{j}]", 2) for j, x in enumerate(_array(v, where)))]
+
+
 def _bool(v: object, where: str) -> bool:
     if type(v) is not bool:
         raise _bad(where, "bool", v)
@@ -201,11 +207,11 @@ _OUTPUT_SPEC: Final = _spec(
 )
 # SamplingParams, field by field: max_tokens, temperature, top_k, top_p, min_p, seed, presence_penalty,
 # frequency_penalty, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, logprobs, structured,
-# prompt_logprobs.
+# prompt_logprobs, logit_bias.
 _SAMPLING_SPEC: Final = _spec(
     0, SamplingParams,
     (_opt(_int), _float, _int, _float, _float, _opt(_int), _float, _float, _float, _int, _int_list, _bool,
-     _opt(_int), _opt(_str), _opt(_int))
+     _opt(_int), _opt(_str), _opt(_int), _logit_bias)
 )
 _NESTED: Final[Mapping[type[Any], _Spec]] = MappingProxyType({EngineTimings: _TIMINGS_SPEC,
                                                               RequestOutputMsg: _OUTPUT_SPEC,

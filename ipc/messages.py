@@ -19,7 +19,7 @@ PROTOCOL_VERSION = 12  # 2: RequestOutputMsg.timings, StepOutputs.num_batched_to
 # (SamplingParams.prompt_logprobs, RequestOutputMsg.prompt_logprobs); 9: Generate.priority; 10: prompt logprobs
 # travel chunk by chunk (outputs with no token carry them; a version-9 gateway would keep only the last chunk);
 # 11: Generate.lora (the LoRA adapter a request runs with); 12: Stats.max_num_batched_tokens (a worker sizes its
-# steps again while idle)
+# steps again while idle), SamplingParams.logit_bias
 
 # Per generated token: (logprob of the sampled token, [(token_id, logprob), ...] for the top-N alternatives).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]

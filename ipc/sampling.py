@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias: bounded, as every field of a frame is
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,13 @@ class SamplingParams:
     # vLLM's prompt_logprobs: for every prompt token after the first, its logprob given the tokens before it and
     # this many alternatives; such a request computes its whole prompt (no prefix-cache hit), once
     prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling; sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # frozen: normalise a list of stop ids into a tuple so params stay hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in self.logit_bias)))
         self._check_types()
         self._check_ranges()
 
@@ -57,6 +61,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative integers, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r}")
         if self.structured is not None and not isinstance(self.structured, str):
             raise ValueError(f"structured must be a JSON string or None, got {type(self.structured).__name__}")
         if not isinstance(self.ignore_eos, bool):
@@ -87,6 +96,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
@@ -96,5 +109,6 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether its logits change before sampling (penalties, logit_bias): the sampler's per-row work."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))

@@ -66,6 +66,9 @@ class LLMEngine:
                     or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id: the last is largest
+            raise ValueError(f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
         if request_id in self.scheduler.requests or request_id in self._parked:  # before its matcher is made

@@ -1,7 +1,7 @@
 """Batched sampling over the rows the model produced logits for.
 
-Order of operations (as vLLM): raw logprobs are taken from the model's logits; then penalties, then the
-min_tokens mask; greedy rows take the argmax; random rows are scaled by temperature, filtered by top-k, top-p
+Order of operations (as vLLM): raw logprobs are taken from the model's logits; then penalties and logit_bias,
+then the min_tokens mask; greedy rows take the argmax; random rows are scaled by temperature, filtered by top-k, top-p
 and min-p, and sampled by the exponential race argmax(p / q), q ~ Exp(1). A request with a seed draws q from
 its own generator, so its tokens do not depend on what else is in the batch.
 """
@@ -71,6 +71,10 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device),
                                         minlength=self.vocab_size)[: self.vocab_size].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if p.logit_bias:  # OpenAI's: added to the logits (ids past the vocabulary were refused upstream)
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+                logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device,
+                                               dtype=logits.dtype)
         return logits
 
     @staticmethod

@@ -18,6 +18,7 @@ from quart import Response
 from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
 from gateway.pipeline.protocol import MAX_N, MAX_SEQUENCES
+from ipc.sampling import MAX_LOGIT_BIAS
 from tenancy.tiers import TIER_NAMES
 
 Json = dict[str, Any]
@@ -83,6 +84,10 @@ _BEST_OF = {"type": "integer", "minimum": 1, "maximum": MAX_N,
 _COMMON = {
     "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
     "n": _N, "user": _STR,
+    "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id (a decimal string) -> bias added to its logit before sampling; "
+                                  "logprobs stay the model's"},
     "priority": {"type": "integer", "minimum": -(2**31 - 1), "maximum": 2**31 - 1, "default": 0,
                  "description": "vLLM's: lower runs sooner (workers under --scheduling-policy priority, the default; "
                                 "fcfs refuses values other than 0); counted from the tenant's tier's priority: "

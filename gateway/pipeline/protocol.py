@@ -25,7 +25,7 @@ from gateway.pipeline.chat_messages import parse_messages, template_input
 from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
 from gateway.pipeline.tools import ToolConfig, grammar_spec, parse_tools
-from ipc.sampling import SamplingParams
+from ipc.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
@@ -112,7 +112,8 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
-    "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, "priority": _is_int, **_SAMPLING_FIELDS,
+    "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, "priority": _is_int, "logit_bias": _is_any,
+    **_SAMPLING_FIELDS,
     **STRUCTURED_FIELDS,
 }
 CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
@@ -233,12 +234,31 @@ def _sampling(fields: dict[str, Any], max_tokens: int, top_logprobs: int | None,
     kw = {k: fields[k] for k in _SAMPLING_FIELDS if k in fields}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = _token_ids(kw["stop_token_ids"], vocab, "stop_token_ids")
+    if "logit_bias" in fields:
+        kw["logit_bias"] = _logit_bias(fields["logit_bias"], vocab)
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs,
                               structured=_structured(fields, tools), prompt_logprobs=prompt_logprobs, **kw)
     except ValueError as e:  # the wire type's own range check; its messages start with the field name
         m = _PARAM_RE.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from e
+
+
+def _logit_bias(value: Any, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object from token ids (decimal strings, JSON keys) to biases in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' allows at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' value for token {key} must be a number in [-100, 100]",
+                              param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _max_tokens(fields: dict[str, Any], key: str, prompt_len: int, max_model_len: int | None,
