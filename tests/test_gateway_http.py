@@ -16,6 +16,7 @@ import openai
 import pytest
 import trio
 
+from tests.tenancy_support import store_of
 from tests.test_gateway_support import MAX_MODEL_LEN, MODEL, Server, metrics, send_raw, wait_idle
 from tests.waiting import wait_until
 
@@ -164,6 +165,19 @@ def test_aux_routes(server: Server) -> None:
         assert f'{name}{{model_name="{MODEL}",worker="w0"}}' in text
     bad = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_x_request_id_names_the_response_and_its_ledger_row(server: Server, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
+                                                          messages=[{"role": "user", "content": "hi"}])
+    body = raw.parse()
+    assert raw.headers["x-request-id"] == body.id and body._request_id == body.id  # the SDK reads it too
+    plain = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=30,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert plain.headers["x-request-id"] == plain.json()["id"]
+    with store_of(server) as store:
+        assert {body.id, plain.json()["id"]} <= {row.request_id for row in store.usage_rows("demo")}
+    assert "x-request-id" not in httpx.get(f"{server.url}/v1/models", headers=server.headers).headers
 
 
 def test_sse_headers(server: Server) -> None:

@@ -132,6 +132,15 @@ def test_an_adapter_answers_only_its_tenant_and_a_guess_reads_the_same(
     assert set(seen_a) == {MODEL, "alpha-a", "beta"} and set(seen_b) == {MODEL, "beta"}
     assert seen_a["alpha-a"]["parent"] == seen_a["beta"]["parent"] == MODEL and seen_a[MODEL]["parent"] is None
 
+    def retrieve(key: str, name: str) -> httpx.Response:
+        return httpx.get(f"{srv.url}/v1/models/{name}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+    assert retrieve(a_key, "alpha-a").json() == seen_a["alpha-a"]  # OpenAI's retrieve: the list's entry
+    assert retrieve(b_key, MODEL).json() == seen_b[MODEL]
+    for name in ("alpha-a", "alpha-b-guess"):  # another tenant's adapter is a name nobody registered
+        r = retrieve(b_key, name)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
 
 def test_the_adapters_greedy_answer_is_the_offline_engines(srv: Server, tiny_model_dir: Path, loras: Path,
                                                            tenants: dict[str, tuple[str, str]]) -> None:

@@ -90,6 +90,7 @@ async def admit(kind: str, rt: RequestTrace) -> tuple[Principal, GenerationReque
         adapter = await check_model(body, principal)
         req = await tokenize(parse_chat if kind == "chat" else parse_completion, body, principal)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    g.request_id = request_id  # the x-request-id header, refusals by quota included
     await reserve(principal, req, request_id, rt)
     return principal, req, request_id, adapter
 

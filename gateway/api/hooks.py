@@ -25,6 +25,9 @@ async def add_ratelimit_headers(response: Response) -> Response:
         headers = await state.tenancy.quota.headers(principal.scopes)
     for name, value in (headers or {}).items():
         response.headers.setdefault(name, value)
+    request_id: str | None = getattr(g, "request_id", None)
+    if request_id is not None:  # as OpenAI's x-request-id (the SDKs' _request_id): the ledger row's request_id
+        response.headers.setdefault("x-request-id", request_id)
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
     state.metrics.requests.labels(route, str(response.status_code), principal.tenant_name if principal else "").inc()
     if response.status_code >= 400 and request.path in GENERATION_ROUTES and not getattr(g, "admitted", False):

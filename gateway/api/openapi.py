@@ -182,6 +182,8 @@ def _api_paths(model: Json) -> Json:
         **responses_paths(model, _op, _body, _param, TENANT_AUTH),
         **batches_paths(_op, _body, _param, TENANT_AUTH),
         "/v1/models": {"get": _op("The served model and the LoRA adapters the key may use", TENANT_AUTH)},
+        "/v1/models/{model}": {"get": _op("One model the key may use (404 for any other)", TENANT_AUTH,
+                                          params=[_param("model")])},
         "/v1/load_lora_adapter": {"post": _op("Register a LoRA adapter (vLLM's shape; tenant: its owner)", ADMIN_AUTH,
                                               body=_body(_fields(("lora_name", "lora_path"), lora_name=_STR,
                                                                  lora_path=_STR, tenant=_STR)))},

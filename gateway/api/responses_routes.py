@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from gateway.base.principal import Principal
@@ -60,6 +60,7 @@ async def run_create(rt: RequestTrace) -> Response:
         history = await _history(principal, rreq.previous_response_id)
         req = await tokenize(parse_as_chat, chat_body(rreq, cfg.model_name, history), principal)
     response_id = new_id("resp")  # the worker's request id and the ledger's too
+    g.request_id = response_id  # the x-request-id header
     await reserve(principal, req, response_id, rt)
     choices, account = await submit(principal, req, response_id, rt, adapter)
     draft = ResponseDraft(response_id, served_name(adapter), int(time.time()), rreq, req)

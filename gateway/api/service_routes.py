@@ -3,6 +3,8 @@ usage and the Prometheus ``/metrics`` text."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -11,7 +13,8 @@ from gateway.api.admin import op_error
 from gateway.api.context import app_state, authorize
 from gateway.api.http_json import json_response
 from gateway.api.openapi import VERSION
-from gateway.base.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request
+from gateway.base.errors import DRAIN_RETRY_AFTER_S, APIError, bad_request, model_not_found
+from gateway.base.principal import Principal
 from gateway.telemetry import metrics
 from common.engine_flags import FLAGS_BY_DEST
 from tenancy.admin_ops import AdminOpError, LocalAdmin
@@ -22,6 +25,7 @@ def register(app: QuartTrio) -> None:
     app.add_url_rule("/ready", view_func=ready, methods=["GET"])
     app.add_url_rule("/version", view_func=version, methods=["GET"])
     app.add_url_rule("/v1/models", view_func=models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model>", view_func=model, methods=["GET"])
     app.add_url_rule("/v1/usage", view_func=own_usage, methods=["GET"])
     app.add_url_rule("/metrics", view_func=prometheus, methods=["GET"])
 
@@ -51,6 +55,20 @@ async def models() -> Response:
     """The base model and the LoRA adapters this caller may use (global and its tenant's), each adapter with
     ``parent`` = the base model's id, as vLLM lists them."""
     principal = await authorize()
+    return json_response({"object": "list", "data": await _model_entries(principal)})
+
+
+async def model(model: str) -> Response:
+    """OpenAI's retrieve-model: one entry of the caller's ``/v1/models``; anything else (another tenant's adapter
+    too) is the 404 a name nobody registered gets."""
+    principal = await authorize()
+    entry = next((e for e in await _model_entries(principal) if e["id"] == model), None)
+    if entry is None:
+        raise model_not_found(model)
+    return json_response(entry)
+
+
+async def _model_entries(principal: Principal) -> list[dict[str, Any]]:
     state = app_state()
     cfg = state.config
     max_len = state.pool.max_model_len
@@ -61,8 +79,7 @@ async def models() -> Response:
         entries.append({"id": a.name, "object": "model", "created": int(a.created_at),
                         "owned_by": "kvgate" if a.tenant_id is None else principal.tenant_name,
                         "root": a.name, "parent": cfg.model_name, "max_model_len": max_len})
-    data = [e for e in entries if principal.allows_model(str(e["id"]))]
-    return json_response({"object": "list", "data": data})
+    return [e for e in entries if principal.allows_model(str(e["id"]))]
 
 
 async def own_usage() -> Response:
