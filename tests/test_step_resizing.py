@@ -76,9 +76,9 @@ def test_a_busy_start_is_corrected_at_the_first_idle_time_and_the_fastest_times_
 
 
 def test_idle_probes_leave_counters_and_tenants_cached_prefixes_as_they_were(hf: Any) -> None:
-    # 128 blocks of 4 tokens; a 200-token prompt leaves 50 of them cached. A long probe takes 65: from the never
-    # used blocks first. If the probes' own cache entries stayed at the back of the free list, the next probe
-    # would take the tenant's blocks (13 never used ones left), evicting its prefix.
+    # 128 blocks of 4 tokens; a 200-token prompt leaves 51 of them cached and free, 77 never used. A short probe
+    # takes 9 blocks, a long one 33, from the never used ones first. If the probes' own cache entries stayed at the
+    # back of the free list, the fourth probe (9 + 33 + 9 + 33 > 77) would take the tenant's, evicting its prefix.
     engine = tiny_engine(hf, block_size=4, kv_cache_tokens=512, max_num_batched_tokens=512, max_num_seqs=8,
                          max_model_len=512)
     prompt = [(i * 31 + 7) % 97 + 3 for i in range(200)]
@@ -88,7 +88,7 @@ def test_idle_probes_leave_counters_and_tenants_cached_prefixes_as_they_were(hf:
     before, cached = engine.stats(), engine.scheduler.bm.cached_hashes()
 
     sizing = step_sizing.StepSizing(40, 3600.0, 1.0, 500.0)
-    times = step_sizing.ProbeTimes(1e9, 1e9, 256)  # anything real is faster
+    times = step_sizing.ProbeTimes(1e9, 1e9, 128)  # anything real is faster
     clock = FakeClock()
     resizer = step_sizing.Resizer(sizing, times, 8, clock)
     clock.now = 31.0
@@ -135,7 +135,7 @@ def _idle_worker(engine: LLMEngine, io: IdleIO, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(step_sizing, "RESIZE_AFTER_S", (0.0,))
     monkeypatch.setattr(step_sizing, "_prefill_ms", QUIET)
     resizer = step_sizing.Resizer(step_sizing.StepSizing(40, 3600.0, 1.0, 500.0),
-                                  step_sizing.ProbeTimes(3632.0, 3856.0, 256), 8)
+                                  step_sizing.ProbeTimes(3632.0, 3728.0, 128), 8)
     assert Worker(engine, io, resizer=resizer).run() == "test over"  # type: ignore[arg-type]
     return resizer
 

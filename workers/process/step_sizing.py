@@ -34,8 +34,13 @@ log = logging.getLogger("kvgate.worker.sizing")
 DEFAULT_TARGET_STEP_MS: Final = {"cpu": 500.0, "cuda": 100.0}
 CEILING: Final = 8192  # beyond this a larger chunk buys nothing but memory for activations
 MIN_PREFILL_CHUNK: Final = 32  # on the slowest machine prefill still advances this much per step
-_SHORT, _LONG = 32, 256  # probe prompt lengths (tokens)
-_REPEATS: Final = 3  # the best of three per length: one hiccup of the machine does not shrink the budget
+# Probe prompt lengths (tokens). The long one is near where budgets land on CPUs (a 500 ms step holds ~90 prefill
+# tokens on a Zen 1, ~270 on a Zen 4, for smollm2): 256 took 1.5 s a probe on a Zen 1, most of start-up's sizing.
+_SHORT, _LONG = 32, 128
+# The best of two per length at start-up, of three while idle: a hiccup at start costs the budget only until the
+# first idle round, which nobody waits for.
+_START_REPEATS: Final = 2
+_IDLE_REPEATS: Final = 3
 _SALT: Final = "\0step-sizing"  # never a tenant's salt: nothing of the probes is shared with real requests
 # Probing again: after this long idle, at these intervals after start-up's probe (then never again). Each round
 # costs one short and one long prefill per repeat of CPU time nobody waits for; a message arriving between two
@@ -80,15 +85,15 @@ def _prefill_ms(engine: LLMEngine, n: int, tag: str) -> float:
     return elapsed
 
 
-def _probe(engine: LLMEngine, round_: int, stop: Callable[[], bool]) -> ProbeTimes | None:
-    """Time the probes (short and long, ``_REPEATS`` each, alternating) in one step each; None if ``stop`` said
+def _probe(engine: LLMEngine, round_: int, repeats: int, stop: Callable[[], bool]) -> ProbeTimes | None:
+    """Time the probes (short and long, ``repeats`` each, alternating) in one step each; None if ``stop`` said
     so between two of them. The engine's budget is restored and its counters and prefix cache are as before."""
     long_n = max(_SHORT + 1, min(_LONG, engine.max_model_len - 1))
     budget = engine.scheduler.config.max_num_batched_tokens
     engine.set_token_budget(max(long_n, budget))  # a probe in one step
     short, long = float("inf"), float("inf")
     try:
-        for i in range(_REPEATS):
+        for i in range(repeats):
             for n in (_SHORT, long_n):
                 if stop():
                     return None
@@ -110,7 +115,7 @@ def fit(times: ProbeTimes, target_ms: float, max_num_seqs: int) -> StepSizing:
 
 def measure(engine: LLMEngine, target_ms: float, max_num_seqs: int) -> tuple[StepSizing, ProbeTimes]:
     """Start-up's probe (nothing else runs yet, so nothing stops it) and the budget it gives."""
-    times = _probe(engine, 0, lambda: False)
+    times = _probe(engine, 0, _START_REPEATS, lambda: False)
     if times is None:  # cannot happen: nothing stops it
         raise RuntimeError("start-up step sizing was interrupted")
     engine.reset_counters()  # nothing before this was traffic (a warm-up)
@@ -143,7 +148,7 @@ class Resizer:
         """Probe if due; the new sizing when it gives a different budget (already applied), else None."""
         if not self.due(idle_s):
             return None
-        times = _probe(engine, self._rounds_done + 1, stop)
+        times = _probe(engine, self._rounds_done + 1, _IDLE_REPEATS, stop)
         if times is None:
             return None
         self._rounds_done += 1
