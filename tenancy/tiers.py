@@ -62,6 +62,27 @@ def tier(name: str) -> Tier:
     return _BY_NAME[cast(TierName, name)]
 
 
+# OpenAI's service_tier values and the class each asks for ("auto": the tenant's own); a request runs in the worse
+# of its tenant's tier and what it asked for: it may place itself lower, never higher (as with ``priority``).
+SERVICE_TIERS: dict[str, TierName | None] = {"auto": None, "default": "standard", "flex": "batch",
+                                             "priority": "interactive"}
+_OPENAI_NAME: dict[str, str] = {"interactive": "priority", "standard": "default", "batch": "flex"}
+
+
+def requested_tier(tenant_tier: str, service_tier: str | None) -> str:
+    """The class a request of a ``tenant_tier`` tenant runs in when it asked for ``service_tier`` (None or "auto":
+    its tenant's)."""
+    asked = None if service_tier is None else SERVICE_TIERS[service_tier]
+    if asked is None:
+        return tenant_tier
+    return asked if TIER_NAMES.index(asked) > TIER_NAMES.index(tier(tenant_tier).name) else tenant_tier
+
+
+def openai_service_tier(tier_name: str) -> str:
+    """What a response's ``service_tier`` says for a request that ran in ``tier_name``."""
+    return _OPENAI_NAME[tier(tier_name).name]
+
+
 def engine_priority(tier_name: str, requested: int, floor: int | None = None) -> int:
     """The priority a request of ``tier_name`` runs at when it asked for ``requested`` (0 when it did not):
     counted from the tier's own, never above it; at least ``floor`` (a Batch API line's class) when given."""

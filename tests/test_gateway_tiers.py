@@ -86,3 +86,25 @@ def test_tiers_order_admission_and_the_engine(tiered: Server) -> None:
     assert metric_sum(text, 'kvgate:tier_queue_time_seconds_count{tier="batch"}') == 1
     assert metric_sum(text, 'kvgate:tier_preemptions_total{tier="batch"}') >= 1  # preempted for the interactive one
     assert metric_sum(text, 'kvgate:tier_preemptions_total{tier="interactive"}') == 0
+
+
+def test_openai_service_tier_lowers_a_request_and_says_where_it_ran(tiered: Server) -> None:
+    key = _tenant_key(tiered, "svc", "standard")
+    plain = _post(tiered, key, {"max_tokens": 2})
+    assert plain.status_code == 200 and "service_tier" not in plain.json()  # not asked: not told (as OpenAI)
+    before = metric_sum(httpx.get(tiered.url + "/metrics", timeout=10).text,
+                        'kvgate:tier_requests_total{status="length",tier="batch"}')
+    told = {asked: _post(tiered, key, {"max_tokens": 2, "service_tier": asked, "ignore_eos": True}).json()
+            for asked in ("auto", "default", "flex", "priority")}
+    assert {asked: body["service_tier"] for asked, body in told.items()} == {
+        "auto": "default", "default": "default", "flex": "flex", "priority": "default"}  # never above its tier
+    after = metric_sum(httpx.get(tiered.url + "/metrics", timeout=10).text,
+                       'kvgate:tier_requests_total{status="length",tier="batch"}')
+    assert after - before == 1  # the flex one ran in the batch class
+    bad = _post(tiered, key, {"max_tokens": 2, "service_tier": "turbo"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "service_tier"
+    for asked, shown in ((None, "default"), ("flex", "flex")):
+        r = httpx.post(tiered.url + "/v1/responses", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                       json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False,
+                             **({} if asked is None else {"service_tier": asked})})
+        assert r.status_code == 200 and r.json()["service_tier"] == shown, r.text

@@ -23,7 +23,8 @@ from ipc.sampling import SamplingParams
 from tenancy import schema
 from tenancy.models import UsageRow
 from tenancy.store import TenancyStore
-from tenancy.tiers import MAX_PRIORITY, TIER_NAMES, TIERS, engine_priority, tier
+from tenancy.tiers import (MAX_PRIORITY, TIER_NAMES, TIERS, engine_priority, openai_service_tier, requested_tier,
+                           tier)
 from tests.postgres_support import database_at_version
 from tests.test_gateway_admin import assert_error, call, make_admin_app
 from tests.test_kvgatectl import T0, Cli, clean_env, db, local, remote  # noqa: F401  (fixtures)
@@ -66,6 +67,19 @@ def test_routes_use_the_tenant_tier_and_batch_lines_the_batch_tier() -> None:
     assert line_submission("standard", 150, 100).priority == 150  # a standard tenant's lines: as before tiers
     assert line_submission("batch", 100, 100).priority == 200
     assert line_submission("interactive", 0, None).priority == 0  # fcfs: as written
+
+
+def test_service_tier_may_lower_a_request_never_lift_it() -> None:
+    want = {("standard", "flex"): "batch", ("standard", "priority"): "standard", ("standard", "default"): "standard",
+            ("interactive", "default"): "standard", ("interactive", "flex"): "batch",
+            ("interactive", "priority"): "interactive", ("batch", "priority"): "batch", ("batch", "default"): "batch"}
+    for tenant_tier in TIER_NAMES:
+        assert requested_tier(tenant_tier, None) == requested_tier(tenant_tier, "auto") == tenant_tier
+    for (tenant_tier, asked), runs_as in want.items():
+        assert requested_tier(tenant_tier, asked) == runs_as, (tenant_tier, asked)
+    r = route_submission("standard", 0, None, "flex")
+    assert (r.tier, r.priority) == ("batch", 100)  # the batch class: admitted last, runs in the gaps
+    assert [openai_service_tier(t) for t in TIER_NAMES] == ["priority", "default", "flex"]
 
 
 # --- the store: migration 6 on both backends ----------------------------------------------------------------

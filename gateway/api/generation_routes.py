@@ -126,7 +126,7 @@ async def run_generation(kind: str, rt: RequestTrace) -> Response:
     principal, req, request_id, adapter = await admit(kind, rt)
     choices, account = await submit(principal, req, request_id, rt, adapter)
     # vLLM's convention: the response names the model asked for (the adapter, when it is one)
-    builder = ResponseBuilder(request_id, served_name(adapter), int(time.time()), req, tok)
+    builder = ResponseBuilder(request_id, served_name(adapter), int(time.time()), req, tok, account.tier)
     timeout = cfg.timing.request_timeout
     if not req.stream:
         return json_response(await complete(choices, builder, timeout, account))
@@ -148,7 +148,8 @@ async def submit(principal: Principal, req: GenerationRequest, request_id: str, 
     state = app_state()
     cfg, tok, pool, ten = state.config, state.tokenizer, state.pool, state.tenancy
     g.admitted = True  # from here the request's account logs its end
-    sub = route_submission(principal.tier, req.priority, cfg.engine.values.get("scheduling_policy"))
+    sub = route_submission(principal.tier, req.priority, cfg.engine.values.get("scheduling_policy"),
+                           req.service_tier)
     # Decoding costs time on the event loop, so only for a tenant that opted in to text logging.
     account = RequestAccount(ten.quota, ten.ledger, state.metrics, principal, request_id, cfg.model_name,
                              req.prompt_tokens, rt, req.stream, tier=sub.tier,

@@ -19,7 +19,7 @@ from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
 from gateway.pipeline.protocol import MAX_N, MAX_SEQUENCES
 from ipc.sampling import MAX_LOGIT_BIAS
-from tenancy.tiers import TIER_NAMES
+from tenancy.tiers import SERVICE_TIERS, TIER_NAMES
 
 Json = dict[str, Any]
 
@@ -81,9 +81,14 @@ _N = {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1,
 _BEST_OF = {"type": "integer", "minimum": 1, "maximum": MAX_N,
             "description": "sequences to generate (default n, at least n); the n with the highest cumulative "
                            "logprob are returned; above n it cannot stream; usage counts every sequence"}
+_SERVICE_TIER = {"type": "string", "enum": list(SERVICE_TIERS),
+                 "description": "OpenAI's: 'flex' runs the request in the batch tier, 'default' in standard; "
+                                "'auto' and 'priority' keep the tenant's tier (never above it); a request that sets "
+                                "it is told the tier it ran in"}
 _COMMON = {
     "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
     "n": _N, "user": _STR,
+    "service_tier": _SERVICE_TIER,
     "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                    "description": "token id (a decimal string) -> bias added to its logit before sampling; "

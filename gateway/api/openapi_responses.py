@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tenancy.tiers import SERVICE_TIERS
+
 Json = dict[str, Any]
 
 _STR: Json = {"type": "string"}
@@ -74,6 +76,7 @@ def _create(model: Json) -> Json:
         "text": {"type": "object", "additionalProperties": False, "properties": {
             "format": _FORMAT, "verbosity": {"type": "string", "enum": ["medium"]}}},
         "truncation": {"type": "string", "enum": ["disabled"]}, "parallel_tool_calls": _BOOL,
+        "service_tier": {"type": "string", "enum": list(SERVICE_TIERS)},
         "tool_choice": _TOOL_CHOICE, "tools": {"type": "array", "maxItems": 128, "items": _TOOL},
         "include": _INCLUDE}}
 

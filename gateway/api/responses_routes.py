@@ -63,7 +63,7 @@ async def run_create(rt: RequestTrace) -> Response:
     g.request_id = response_id  # the x-request-id header
     await reserve(principal, req, response_id, rt)
     choices, account = await submit(principal, req, response_id, rt, adapter)
-    draft = ResponseDraft(response_id, served_name(adapter), int(time.time()), rreq, req)
+    draft = ResponseDraft(response_id, served_name(adapter), int(time.time()), rreq, req, account.tier)
     save = _saver(principal, rreq, history) if rreq.store else None
     timeout = cfg.timing.request_timeout
     if not rreq.stream:

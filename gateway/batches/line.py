@@ -293,7 +293,8 @@ class LineRunner:
         tries.attempts += 1
         # As on the routes: the response names the model the line asked for (the adapter, when it is one).
         builder = ResponseBuilder(f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-                                  p.model if adapter is None else adapter.name, int(time.time()), req, p.tokenizer)
+                                  p.model if adapter is None else adapter.name, int(time.time()), req, p.tokenizer,
+                                  account.tier)
         try:
             body = await complete(choices, builder, p.request_timeout, account)
         except APIError as e:

@@ -26,6 +26,7 @@ from gateway.pipeline.response_format import STRUCTURED_FIELDS, structured_spec
 from gateway.pipeline.tokenizer import ChatTemplateError, GatewayTokenizer, InvalidText
 from gateway.pipeline.tools import ToolConfig, grammar_spec, parse_tools
 from ipc.sampling import MAX_LOGIT_BIAS, SamplingParams
+from tenancy.tiers import SERVICE_TIERS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
@@ -64,6 +65,7 @@ class GenerationRequest:
     echo: str | None = None  # completions with echo: the prompt's text, sent before the completion
     priority: int = 0  # vLLM's: lower runs sooner (workers' priority scheduling policy; fcfs refuses others)
     batch: tuple[Prompt, ...] = ()  # a completions request that lists prompts: all of them, in order
+    service_tier: str | None = None  # OpenAI's (tenancy.tiers.SERVICE_TIERS); None: not asked
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Every prompt, in choice order (one, but for a completions request that lists several)."""
@@ -113,6 +115,7 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
     "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, "priority": _is_int, "logit_bias": _is_any,
+    "service_tier": _is_str,
     **_SAMPLING_FIELDS,
     **STRUCTURED_FIELDS,
 }
@@ -309,6 +312,14 @@ def _common_checks(fields: dict[str, Any]) -> tuple[bool, bool, tuple[str, ...],
     return stream, _stream_options(fields, stream), _stop(fields), _count(fields, "n", 1)
 
 
+def _service_tier(fields: dict[str, Any]) -> str | None:
+    value = fields.get("service_tier")
+    if value is not None and value not in SERVICE_TIERS:
+        raise bad_request(f"'service_tier' must be one of {', '.join(map(repr, SERVICE_TIERS))}, got {value!r}",
+                          param="service_tier")
+    return value
+
+
 def _priority(fields: dict[str, Any]) -> int:
     p = int(fields.get("priority", 0))
     if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
@@ -355,7 +366,8 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     prompt_lps = _prompt_logprobs(fields)
     sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, prompt_lps)
     return GenerationRequest("chat", prompt_ids, sampling, max_tokens, stop, stream, include_usage, logprobs,
-                             n_top or 0, n, n, tools, prompt_lps, priority=_priority(fields))
+                             n_top or 0, n, n, tools, prompt_lps, priority=_priority(fields),
+                             service_tier=_service_tier(fields))
 
 
 def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
@@ -386,4 +398,4 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     sampling = _sampling(fields, max_tokens, worker_top, tok.vocab_size, prompt_logprobs=worker_prompt_lps)
     return GenerationRequest("completion", prompts[0].ids, sampling, max_tokens, stop, stream, include_usage,
                              n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo, _priority(fields),
-                             prompts if len(prompts) > 1 else ())
+                             prompts if len(prompts) > 1 else (), _service_tier(fields))

@@ -17,6 +17,7 @@ from gateway.pipeline.prompt_logprobs import echo_logprobs, join, vllm_prompt_lo
 from gateway.pipeline.tool_stream import ToolCallParser
 from ipc.messages import PromptLogprob
 from ipc.messages import TokenLogprobs
+from tenancy.tiers import openai_service_tier
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -60,12 +61,15 @@ class ResponseBuilder:
     """Builds the bodies of one request's response, stream chunks or the final object."""
 
     def __init__(self, request_id: str, model: str, created: int, req: GenerationRequest,
-                 tok: GatewayTokenizer) -> None:
+                 tok: GatewayTokenizer, ran_as: str | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
         self.req = req
         self.tok = tok
+        # OpenAI's: a request that set service_tier is told the one it ran in (``ran_as``: the tier it was submitted
+        # as); one that did not is not
+        self.service_tier = None if req.service_tier is None or ran_as is None else openai_service_tier(ran_as)
         self._text_offsets: dict[int, int] = {}  # completions logprobs, per choice: where its next token starts
         self._parsers: dict[int, ToolCallParser] = {}  # chat with tools, per streamed choice
         self._prompt_done: set[int] = set()  # streamed choices whose echo / prompt_logprobs went out
@@ -85,7 +89,10 @@ class ResponseBuilder:
         return finish
 
     def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+        if self.service_tier is not None:
+            body["service_tier"] = self.service_tier
+        return body
 
     def usage(self, choices: Choices) -> dict[str, Any]:
         return usage(self.req.prompt_tokens, choices.completion_tokens, choices.cached_tokens)

@@ -1,7 +1,8 @@
 """What a request is submitted as: its tier (the admission class) and the priority its workers get.
 
-The tier's table is ``tenancy/tiers.py``. A request to a generation route (chat, completions, Responses) runs in
-its tenant's tier; a Batch API line always in ``batch``, whatever its tenant's tier (the Batch API is the bulk
+The tier's table is ``tenancy/tiers.py``. A request to a generation route (chat, completions) runs in its tenant's
+tier, or a lower one its OpenAI ``service_tier`` asks for ("default": standard, "flex": batch; "priority" and
+"auto" never lift it above its tenant's); a Batch API line always in ``batch``, whatever its tenant's tier (the Batch API is the bulk
 class), at a priority no better than ``BATCH_PRIORITY``. Under ``--scheduling-policy fcfs`` the workers refuse any
 priority but 0, so the tier changes no priority there (a client's own priority reaches them as before and gets
 their 400); admission by tier still applies. The policy is the one this gateway starts its workers with: workers
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenancy.tiers import engine_priority
+from tenancy.tiers import engine_priority, requested_tier
 
 BATCH_LINE_TIER = "batch"
 
@@ -24,11 +25,15 @@ class Submission:
     priority: int  # what its Generate carries (lower runs sooner)
 
 
-def route_submission(tenant_tier: str, requested: int, scheduling_policy: str | None) -> Submission:
-    """A request to a generation route by a tenant of ``tenant_tier`` that asked for ``requested`` (0: nothing)."""
+def route_submission(tenant_tier: str, requested: int, scheduling_policy: str | None,
+                     service_tier: str | None = None) -> Submission:
+    """A request to a generation route by a tenant of ``tenant_tier`` that asked for priority ``requested`` (0:
+    nothing) and OpenAI's ``service_tier`` (None: nothing; "flex" runs it as batch, "default" as standard; never
+    above the tenant's own tier)."""
+    runs_as = requested_tier(tenant_tier, service_tier)
     if scheduling_policy == "fcfs":
-        return Submission(tenant_tier, requested)
-    return Submission(tenant_tier, engine_priority(tenant_tier, requested))
+        return Submission(runs_as, requested)
+    return Submission(runs_as, engine_priority(runs_as, requested))
 
 
 def line_submission(tenant_tier: str, requested: int, floor: int | None) -> Submission:

@@ -28,6 +28,7 @@ from gateway.pipeline.tool_stream import ToolCallParser
 from gateway.pipeline.tools import SYNTAX
 from gateway.responses.items import new_id
 from gateway.responses.request import ResponsesRequest
+from tenancy.tiers import DEFAULT_TIER, openai_service_tier
 
 # ResponseError.code takes OpenAI's values only: a prompt the model cannot take is "invalid_prompt", the rest
 # (worker gone, timeout, a client too slow) "server_error"; the preceding ``error`` event carries the exact code.
@@ -49,8 +50,9 @@ class ResponseDraft:
     """One response's ids and settings, and every object and event built from them."""
 
     def __init__(self, response_id: str, model: str, created_at: int, req: ResponsesRequest,
-                 gen: GenerationRequest) -> None:
+                 gen: GenerationRequest, ran_as: str = DEFAULT_TIER) -> None:
         self.id = response_id
+        self.service_tier = openai_service_tier(ran_as)  # the tier it ran in, OpenAI's name (asked for or not)
         self.message_id = new_id("msg")
         self.model = model
         self.created_at = created_at
@@ -69,7 +71,7 @@ class ResponseDraft:
             "background": False, "error": None, "incomplete_details": None, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": r.tools.parallel_tool_calls, "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": r.store,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": self.service_tier, "store": r.store,
             "temperature": sampling.temperature, "text": {"format": r.text_format, "verbosity": "medium"},
             "tool_choice": r.tools.tool_choice, "tools": r.tools.tools, "top_logprobs": 0, "top_p": sampling.top_p,
             "truncation": r.truncation, "usage": use, "user": r.user, "metadata": r.metadata,

@@ -53,6 +53,7 @@ FIELDS: dict[str, Callable[[Any], bool]] = {
     "temperature": _is_number, "top_p": _is_number, "metadata": _is_any, "user": _is_str, "store": _is_bool,
     "stream": _is_bool, "previous_response_id": _is_str, "text": _is_any, "truncation": _is_str,
     "parallel_tool_calls": _is_bool, "tool_choice": _is_any, "tools": _is_any, "include": _is_any,
+    "service_tier": _is_str,  # checked by the chat parser it is handed to (gateway.pipeline.protocol)
 }
 # What ``include`` may name: extra output of hosted tools, images and reasoning, none of which this server has, so
 # naming them adds nothing (agent SDKs send the list on every call). Output logprobs it does not serve: a 400.
@@ -98,6 +99,7 @@ class ResponsesRequest:
     response_format: dict[str, Any] | None  # the same for the chat body (None: plain text)
     truncation: str = "disabled"
     tools: ToolSettings = field(default_factory=ToolSettings)
+    service_tier: str | None = None  # OpenAI's; None: not asked
 
 
 def _fields(body: Any) -> dict[str, Any]:
@@ -247,7 +249,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
     return ResponsesRequest(
         items, messages, fields.get("instructions"), previous, max_output, fields.get("temperature"),
         fields.get("top_p"), _metadata(fields.get("metadata")), fields.get("user"), fields.get("store", True),
-        fields.get("stream", False), text_format, response_format, tools=_tools(fields))
+        fields.get("stream", False), text_format, response_format, tools=_tools(fields),
+        service_tier=fields.get("service_tier"))
 
 
 def chat_body(req: ResponsesRequest, model: str, history: list[ChatMessage]) -> dict[str, Any]:
@@ -256,7 +259,7 @@ def chat_body(req: ResponsesRequest, model: str, history: list[ChatMessage]) -> 
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": model, "messages": [*messages, *history, *req.messages], "stream": req.stream}
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "user": req.user, "response_format": req.response_format}
+                "user": req.user, "response_format": req.response_format, "service_tier": req.service_tier}
     body.update({k: v for k, v in optional.items() if v is not None})
     body.update(req.tools.chat_fields())
     return body
