@@ -70,7 +70,7 @@ class LlamaConfig:
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # (D/2,) fp32
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     s = cfg.rope_scaling
     if s is None:
         return inv
@@ -144,7 +144,9 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, max_len: int) -> None:
         super().__init__()
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        # On the CPU even inside a meta-device build (loader._uninitialized, which makes these tables again after
+        # the load): arange on meta is decomposed through torch._dynamo, a ~2 s import in every worker's start.
+        freqs = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, D)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -209,7 +211,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own init, except on the meta device (a model whose weights are loaded next): there torch
+        # decomposes normal_ through torch._dynamo, a ~2 s import in every worker's start, for nothing
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)  # (V, H)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
