@@ -1,5 +1,6 @@
 """A worker's model build: loaded weights go into a model made on the meta device, which must not pull in
-torch._dynamo (torch decomposes meta-device normal_ and arange through it: a ~2 s import in every worker's start),
+torch._dynamo (torch decomposes meta-device normal_ and arange through it: a ~2 s import in every worker's start)
+nor sympy (empty_like of a meta tensor imports torch.fx's symbolic shapes: ~0.8 s),
 and must come out with the loaded weights, the head tied where the config ties it, and the rope tables a model
 built normally has. In a fresh process, since transformers (which makes the weights here) imports torch._dynamo."""
 
@@ -22,17 +23,18 @@ from workers.models.llama import LlamaConfig, Rotary
 from workers.models.loader import build_model
 cfg = LlamaConfig.from_hf(json.loads(open(sys.argv[1]).read()))
 sd = torch.load(sys.argv[2])
-before = "torch._dynamo" in sys.modules
+lazy = ("torch._dynamo", "sympy")
+before = any(m in sys.modules for m in lazy)
 model = build_model(cfg, sd, 128, torch.float32, torch.device("cpu"))
 fresh = Rotary(cfg, 128)
-print(before, "torch._dynamo" in sys.modules,
+print(before, any(m in sys.modules for m in lazy),
       torch.equal(model.embed_tokens.weight, sd["model.embed_tokens.weight"]),
       model.lm_head.weight is model.embed_tokens.weight,
       torch.equal(model.rotary.cos, fresh.cos) and torch.equal(model.rotary.sin, fresh.sin))
 """
 
 
-def test_a_loaded_model_builds_without_torch_dynamo(tmp_path: Path) -> None:
+def test_a_loaded_model_builds_without_torch_dynamo_or_sympy(tmp_path: Path) -> None:
     hf = hf_model(tie_word_embeddings=True)
     (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
     torch.save(dict(hf.state_dict()), tmp_path / "sd.pt")

@@ -122,10 +122,17 @@ def _uninitialized(cfg: LlamaConfig, max_len: int) -> LlamaForCausalLM:
     init was ~1 s of a smollm2 worker's start. The rope tables are rebuilt after the load (``build_model``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len)
-    model.to_empty(device="cpu")
+    # Module.to_empty, but with torch.empty: empty_like of a meta tensor goes through torch._refs, which imports
+    # torch.fx's symbolic shapes and sympy (~0.8 s of a worker's start)
+    model._apply(_cpu_storage)  # type: ignore[no-untyped-call]  # what to_empty calls, untyped in torch
     if cfg.tie_word_embeddings:  # to_empty gives each module a new parameter: the tie is made again
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def _cpu_storage(t: torch.Tensor) -> torch.Tensor:
+    """Uninitialized CPU storage of ``t``'s shape and dtype."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
 def _batch_invariant_cuda(model: LlamaForCausalLM, device: torch.device) -> None:
