@@ -155,3 +155,17 @@ def test_the_sdk_sends_a_list_of_prompts(server: Server) -> None:
         r = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=3, temperature=0)
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert r.usage is not None and r.usage.completion_tokens == 9
+
+
+def test_the_router_says_what_idle_workers_could_never_hold() -> None:
+    from gateway.config import AdmissionConfig
+    from gateway.fleet.routing import Router
+
+    router = Router(AdmissionConfig(max_requests=4, max_prompt_tokens=1000))
+    assert router.never_admits(1, 4, 1000, 250, 1.0) is None
+    assert "5 sequences" in (router.never_admits(1, 5, 10, 2, 1.0) or "")
+    assert router.never_admits(2, 5, 10, 2, 1.0) is None  # two workers admit 8
+    assert "admit 2 at once" in (router.never_admits(1, 3, 10, 2, 0.5) or "")  # a tier with half the bounds
+    assert "1001 prompt tokens" in (router.never_admits(1, 2, 1001, 600, 1.0) or "")
+    assert router.never_admits(2, 2, 4000, 2000, 1.0) is None  # each idle worker takes one prompt past the bound
+    assert router.never_admits(1, 1, 50_000, 50_000, 0.5) is None  # one sequence always fits an idle worker

@@ -108,3 +108,19 @@ def test_openai_service_tier_lowers_a_request_and_says_where_it_ran(tiered: Serv
                        json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False,
                              **({} if asked is None else {"service_tier": asked})})
         assert r.status_code == 200 and r.json()["service_tier"] == shown, r.text
+
+
+def test_a_request_the_workers_could_never_hold_is_a_400_not_a_503(tiered: Server) -> None:
+    """The worker admits 2 requests: 3 prompts (3 sequences) can never be held at once, whatever the load, so the
+    client is told to split them (a 503 would be retried forever; a Batch API line would retry until it expires);
+    a batch-tier tenant may fill half the bounds: 2 prompts already are too many for it."""
+    standard, bulk = _tenant_key(tiered, "split-std", "standard"), _tenant_key(tiered, "split-bulk", "batch")
+    refused = _post(tiered, standard, {"prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert refused.status_code == 400, refused.text
+    err = refused.json()["error"]
+    assert err["code"] == "exceeds_worker_capacity" and "3 sequences" in err["message"] and "admit 2" in err["message"]
+    assert _post(tiered, standard, {"prompt": ["a", "b"], "max_tokens": 2}).status_code == 200
+    assert _post(tiered, standard, {"prompt": "a", "n": 3, "max_tokens": 2}).status_code == 400  # n counts too
+    low = _post(tiered, bulk, {"prompt": ["a", "b"], "max_tokens": 2})
+    assert low.status_code == 400 and "admit 1" in low.json()["error"]["message"], low.text
+    assert _running(tiered) == 0  # nothing was queued for any of the refused ones

@@ -167,6 +167,13 @@ class WorkerPool:
         self.router.record(keys, wid)
         return handle
 
+    def never_admits(self, sequences: int, prompt_tokens: int, longest: int, tier: str) -> str | None:
+        """Why the open workers, idle, could never take all of one request's sequences at once (``Router``), or
+        None (also when no worker is open: that is a 503 of its own)."""
+        n = sum(1 for w in self.workers.values() if not w.draining)
+        return None if n == 0 else self.router.never_admits(n, sequences, prompt_tokens, longest,
+                                                            tier_named(tier).capacity_share)
+
     def _refusal(self, loads: list[WorkerLoad], prompt_len: int, who: Placement, tier: str) -> APIError:
         retry_after = self.retry_after()
         if who.share < BASE_SHARE:

@@ -157,6 +157,24 @@ class Router:
         base = Placement(who.tenant, who.weight, who.near, BASE_SHARE)
         return who.share < BASE_SHARE and any(self.can_admit(w, prompt_len, base) for w in workers)
 
+    def never_admits(self, workers: int, sequences: int, prompt_tokens: int, longest: int,
+                     share: float) -> str | None:
+        """Why ``workers`` idle workers could never hold a request of ``sequences`` worker requests with
+        ``prompt_tokens`` prompt tokens in all (``longest``: its longest prompt) at a tier's ``share`` of the bounds,
+        or None. A tenant never holds more than the bounds on a worker (its share of them is at most all), and a
+        worker takes one prompt past the token bound only alone, so a worker holds at most ``share`` x
+        max_requests sequences and max(``share`` x max_prompt_tokens, ``longest``) tokens of one request."""
+        max_requests = math.floor(workers * share * self.admission.max_requests)
+        max_tokens = workers * max(share * self.admission.max_prompt_tokens, longest)
+        if sequences > max(1, max_requests):
+            return (f"this request makes {sequences} sequences (prompts x best_of) and the {workers} worker(s) "
+                    f"admit {max_requests} at once for its tier: send fewer prompts or sequences per request")
+        if prompt_tokens > max_tokens:
+            return (f"this request's sequences hold {prompt_tokens} prompt tokens (each prompt once per sequence) and "
+                    f"the {workers} worker(s) admit {int(max_tokens)} at once for its tier: send fewer or shorter "
+                    "prompts per request")
+        return None
+
     def over_share(self, w: WorkerLoad, share: float) -> int:
         """How many of ``w``'s requests must end before one more of a tier with ``share`` fits its bounds (at
         least 1: a refusal by prompt tokens waits for one to end too)."""

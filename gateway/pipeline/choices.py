@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from gateway.base.errors import APIError
 from gateway.base.handle import RequestHandle
 from gateway.pipeline.generation import OutputAssembler
 from gateway.pipeline.protocol import GenerationRequest
@@ -182,7 +183,12 @@ async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest,
     the rest to its worker, ``near`` it: the router's per-tenant spread does not split one request's sequences).
     ``tier``: the class admitted (``tenancy/tiers.py``); ``priority``: what the workers get (None: the request's
     own, ``gateway.pipeline.tiering``); ``adapter``: the LoRA adapter every sequence runs with (workers are sent its
-    directory). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued."""
+    directory). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued. A request the workers
+    could not hold at once even idle (many or long prompts x best_of) is a 400, before anything is queued."""
+    lengths = [len(p.ids) for p in req.prompts()]
+    why = pool.never_admits(req.sequences, sum(lengths) * choices.best_of, max(lengths), tier)
+    if why is not None:  # can never fit: a 400, not a 503 its client would retry forever
+        raise APIError(400, why, code="exceeds_worker_capacity")
     for p, prompt in enumerate(req.prompts()):
         for i in range(choices.best_of):
             # each prompt's sequences are drawn to where its first one went; prompts spread like requests would
