@@ -43,7 +43,7 @@ def test_a_busy_start_is_corrected_at_the_first_idle_time_and_the_fastest_times_
     assert sizing.max_num_batched_tokens == 8 + step_sizing.MIN_PREFILL_CHUNK  # the floor
     step_sizing.apply(engine, sizing.max_num_batched_tokens)
     clock = FakeClock()
-    resizer = step_sizing.Resizer(sizing, times, 8, clock)
+    resizer = step_sizing.Resizer(sizing, times, 8, clock, jitter=lambda: 0.0)
 
     clock.now = 10.0
     assert not resizer.due(idle_s=60.0)  # too soon after start-up's probe
@@ -90,7 +90,7 @@ def test_idle_probes_leave_counters_and_tenants_cached_prefixes_as_they_were(hf:
     sizing = step_sizing.StepSizing(40, 3600.0, 1.0, 500.0)
     times = step_sizing.ProbeTimes(1e9, 1e9, 128)  # anything real is faster
     clock = FakeClock()
-    resizer = step_sizing.Resizer(sizing, times, 8, clock)
+    resizer = step_sizing.Resizer(sizing, times, 8, clock, jitter=lambda: 0.0)
     clock.now = 31.0
     new = resizer.maybe_run(engine, 6.0, lambda: False)
     assert new is not None and engine.scheduler.config.max_num_batched_tokens == new.max_num_batched_tokens
@@ -128,6 +128,18 @@ class IdleIO:
 
     def publish(self, snapshot: EngineSnapshot) -> None:
         self.snapshot = snapshot
+
+
+def test_each_worker_s_rounds_come_at_their_own_times() -> None:
+    sizing, times = step_sizing.StepSizing(40, 3600.0, 1.0, 500.0), step_sizing.ProbeTimes(3632.0, 3728.0, 128)
+    clock = FakeClock()
+    late = step_sizing.Resizer(sizing, times, 8, clock, jitter=lambda: step_sizing.RESIZE_JITTER)
+    clock.now = 31.0
+    assert not late.due(idle_s=60.0)  # its first round is at 45 s
+    clock.now = 45.0
+    assert late.due(idle_s=60.0)
+    spread = {round(step_sizing.Resizer(sizing, times, 8, clock)._after[0], 3) for _ in range(20)}
+    assert len(spread) > 1 and all(30.0 <= t <= 45.0 for t in spread)
 
 
 def _idle_worker(engine: LLMEngine, io: IdleIO, monkeypatch: pytest.MonkeyPatch) -> step_sizing.Resizer:

@@ -18,6 +18,7 @@ given up at once when a message arrives) and keeps the fastest time seen for eac
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ _SALT: Final = "\0step-sizing"  # never a tenant's salt: nothing of the probes i
 # probes ends the round, so a request waits at most one probe step.
 RESIZE_IDLE_S: Final = 5.0
 RESIZE_AFTER_S: Final = (30.0, 300.0, 1800.0)
+# Each round later by a random 0-50%: the workers of one `kvgate serve --workers N` start, size and idle together,
+# and rounds in step would contend with each other as their start-up probes did.
+RESIZE_JITTER: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,15 +138,17 @@ class Resizer:
     probes themselves, so the schedule is testable with a fake clock."""
 
     def __init__(self, sizing: StepSizing, times: ProbeTimes, max_num_seqs: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[], float] = lambda: random.uniform(0.0, RESIZE_JITTER)) -> None:
         self.sizing, self.times, self.max_num_seqs, self.clock = sizing, times, max_num_seqs, clock
         self._started = clock()
+        self._after = [t * (1.0 + jitter()) for t in RESIZE_AFTER_S]  # this worker's round times
         self._rounds_done = 0  # rounds completed (an interrupted one is tried again at the next idle time)
 
     def due(self, idle_s: float) -> bool:
-        if self._rounds_done >= len(RESIZE_AFTER_S) or idle_s < RESIZE_IDLE_S:
+        if self._rounds_done >= len(self._after) or idle_s < RESIZE_IDLE_S:
             return False
-        return self.clock() - self._started >= RESIZE_AFTER_S[self._rounds_done]
+        return self.clock() - self._started >= self._after[self._rounds_done]
 
     def maybe_run(self, engine: LLMEngine, idle_s: float, stop: Callable[[], bool]) -> StepSizing | None:
         """Probe if due; the new sizing when it gives a different budget (already applied), else None."""
