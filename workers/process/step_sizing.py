@@ -51,6 +51,7 @@ RESIZE_AFTER_S: Final = (30.0, 300.0, 1800.0)
 # Each round later by a random 0-50%: the workers of one `kvgate serve --workers N` start, size and idle together,
 # and rounds in step would contend with each other as their start-up probes did.
 RESIZE_JITTER: Final = 0.5
+_ENTROPY: Final = random.SystemRandom()  # the OS's: whatever seeds the global generator, workers still differ
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ class Resizer:
 
     def __init__(self, sizing: StepSizing, times: ProbeTimes, max_num_seqs: int,
                  clock: Callable[[], float] = time.monotonic,
-                 jitter: Callable[[], float] = lambda: random.uniform(0.0, RESIZE_JITTER)) -> None:
+                 jitter: Callable[[], float] = lambda: _ENTROPY.uniform(0.0, RESIZE_JITTER)) -> None:
         self.sizing, self.times, self.max_num_seqs, self.clock = sizing, times, max_num_seqs, clock
         self._started = clock()
         self._after = [t * (1.0 + jitter()) for t in RESIZE_AFTER_S]  # this worker's round times
