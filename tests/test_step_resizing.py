@@ -4,7 +4,10 @@ fastest probe times seen win. The probes are not traffic: counters and the prefi
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +39,18 @@ def hf() -> Any:
     return hf_model()
 
 
-def test_a_busy_start_is_corrected_at_the_first_idle_time_and_the_fastest_times_are_kept(
+def _machine(monkeypatch: pytest.MonkeyPatch, others: float | None) -> None:
+    """What the probes see other processes use of the machine from now on."""
+    monkeypatch.setattr(step_sizing, "_watch", lambda: (lambda: others))
+
+
+def test_a_busy_start_is_corrected_at_idle_times_until_a_round_runs_on_a_quiet_machine(
         monkeypatch: pytest.MonkeyPatch, hf: Any) -> None:
     engine = tiny_engine(hf, max_num_batched_tokens=64, max_num_seqs=8)
     monkeypatch.setattr(step_sizing, "_prefill_ms", BUSY)
+    _machine(monkeypatch, 0.5)  # others used half the CPUs during start-up's probes
     sizing, times = step_sizing.measure(engine, 500.0, max_num_seqs=8)
-    assert sizing.max_num_batched_tokens == 8 + step_sizing.MIN_PREFILL_CHUNK  # the floor
+    assert sizing.max_num_batched_tokens == 8 + step_sizing.MIN_PREFILL_CHUNK and times.contended  # the floor
     step_sizing.apply(engine, sizing.max_num_batched_tokens)
     clock = FakeClock()
     resizer = step_sizing.Resizer(sizing, times, 8, clock, jitter=lambda: 0.0)
@@ -60,20 +69,61 @@ def test_a_busy_start_is_corrected_at_the_first_idle_time_and_the_fastest_times_
     assert engine.scheduler.config.max_num_batched_tokens == 40 and not engine.has_unfinished()
     assert resizer.due(idle_s=6.0)
 
-    new = resizer.maybe_run(engine, 6.0, lambda: False)
+    new = resizer.maybe_run(engine, 6.0, lambda: False)  # faster, but the machine was busy again: one more round
     assert new is not None and (new.max_num_batched_tokens, round(new.fixed_ms, 6)) == (498, 10.0)
     assert engine.scheduler.config.max_num_batched_tokens == 498
 
-    clock.now = 100.0
-    assert not resizer.due(idle_s=60.0)  # the next round is at 300 s
-    clock.now = 301.0
-    monkeypatch.setattr(step_sizing, "_prefill_ms", BUSY)  # busy again: the quiet round's times stay
+    clock.now = 90.0
+    assert not resizer.due(idle_s=60.0)  # the next round is 60 s after the last
+    clock.now = 92.0
+    monkeypatch.setattr(step_sizing, "_prefill_ms", BUSY)  # slower: the quiet round's times stay
+    _machine(monkeypatch, 0.0)
     assert resizer.maybe_run(engine, 6.0, lambda: False) is None
-    assert engine.scheduler.config.max_num_batched_tokens == 498
-    clock.now = 1801.0
-    assert resizer.maybe_run(engine, 6.0, lambda: False) is None
+    assert engine.scheduler.config.max_num_batched_tokens == 498 and resizer.rounds == 2
     clock.now = 1e9
-    assert not resizer.due(idle_s=1e9)  # three rounds, then never again
+    assert not resizer.due(idle_s=1e9)  # a round on a quiet machine: done
+
+
+@pytest.mark.parametrize("others,rounds", [(0.02, 0), (None, step_sizing.RESIZE_MAX_ROUNDS),
+                                           (0.3, step_sizing.RESIZE_MAX_ROUNDS)])
+def test_rounds_only_after_a_contended_or_unknown_start_and_at_most_so_many(
+        monkeypatch: pytest.MonkeyPatch, hf: Any, others: float | None, rounds: int) -> None:
+    engine = tiny_engine(hf, max_num_batched_tokens=64, max_num_seqs=8)
+    monkeypatch.setattr(step_sizing, "_prefill_ms", QUIET)
+    _machine(monkeypatch, others)  # the same all along
+    sizing, times = step_sizing.measure(engine, 500.0, max_num_seqs=8)
+    clock = FakeClock()
+    resizer = step_sizing.Resizer(sizing, times, 8, clock, jitter=lambda: 0.0)
+    for _ in range(20):
+        clock.now += 1e6
+        resizer.maybe_run(engine, 60.0, lambda: False)
+    assert resizer.rounds == rounds and not resizer.due(idle_s=60.0)
+
+
+def test_the_watch_counts_other_processes_and_not_this_one() -> None:
+    """Whatever else runs (a CI machine's other tests): the share includes a CPU-bound child's time and leaves out
+    this process's own busy loop."""
+    import psutil
+
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 10\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        child = psutil.Process(hog.pid)
+        h0, own0, t0 = sum(child.cpu_times()[:2]), sum(os.times()[:2]), time.monotonic()
+        watch = step_sizing._watch()
+        while time.monotonic() - t0 < 1.0:
+            pass
+        share = watch()
+        h1, own1, t1 = sum(child.cpu_times()[:2]), sum(os.times()[:2]), time.monotonic()
+    finally:
+        hog.kill()
+        hog.wait()
+    if share is None:  # no /proc/stat here: nothing to tell either way
+        assert not os.path.exists("/proc/stat")
+        return
+    capacity = (t1 - t0) * (os.cpu_count() or 1)
+    assert share >= (h1 - h0) / capacity - 0.05, (share, h1 - h0)  # the child counted
+    assert share <= 1.0 - (own1 - own0) / capacity + 0.05, (share, own1 - own0)  # this process did not
 
 
 def test_idle_probes_leave_counters_and_tenants_cached_prefixes_as_they_were(hf: Any) -> None:
@@ -142,13 +192,13 @@ def test_each_worker_s_rounds_come_at_their_own_times() -> None:
     spread = set()
     for _ in range(20):
         random.seed(0)  # the draw is the OS's: the global generator seeded alike in every worker changes nothing
-        spread.add(round(step_sizing.Resizer(sizing, times, 8, clock)._after[0], 3))
+        spread.add(round(step_sizing.Resizer(sizing, times, 8, clock)._next, 3))
     assert len(spread) > 1 and all(30.0 <= t <= 45.0 for t in spread)
 
 
 def _idle_worker(engine: LLMEngine, io: IdleIO, monkeypatch: pytest.MonkeyPatch) -> step_sizing.Resizer:
     monkeypatch.setattr(step_sizing, "RESIZE_IDLE_S", 0.0)
-    monkeypatch.setattr(step_sizing, "RESIZE_AFTER_S", (0.0,))
+    monkeypatch.setattr(step_sizing, "RESIZE_FIRST_S", 0.0)
     monkeypatch.setattr(step_sizing, "_prefill_ms", QUIET)
     resizer = step_sizing.Resizer(step_sizing.StepSizing(40, 3600.0, 1.0, 500.0),
                                   step_sizing.ProbeTimes(3632.0, 3728.0, 128), 8)

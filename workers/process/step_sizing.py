@@ -10,14 +10,17 @@ cost far less per token than prefill, are served first, and must never crowd pre
 only ``max_num_seqs`` would starve every waiting request while the batch is full).
 
 A worker that starts beside other work (its siblings loading, a test suite, a compile) measures the machine
-slower than it is: one such start timed 3.6 s a step and kept the floor budget for life. Contention only ever
-adds time, so the worker probes again while it is idle (``Resizer``: a few times, further apart each time,
-given up at once when a message arrives) and keeps the fastest time seen for each probe length.
+slower than it is: one such start timed 3.6 s a step and kept the floor budget for life. So the probes also
+measure how much of the machine other processes used meanwhile (/proc/stat against this process's own CPU time);
+where that was a tenth or more (or cannot be told), the worker probes again while idle (``Resizer``: further apart
+each time, until a round runs on a quiet machine; given up at once when a message arrives) and keeps the fastest
+time seen for each probe length: contention only ever adds time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -43,11 +46,14 @@ _SHORT, _LONG = 32, 128
 _START_REPEATS: Final = 2
 _IDLE_REPEATS: Final = 3
 _SALT: Final = "\0step-sizing"  # never a tenant's salt: nothing of the probes is shared with real requests
-# Probing again: after this long idle, at these intervals after start-up's probe (then never again). Each round
-# costs one short and one long prefill per repeat of CPU time nobody waits for; a message arriving between two
-# probes ends the round, so a request waits at most one probe step.
+# Probing again, only where start-up's probes ran beside other processes (or that cannot be told): after this long
+# idle, a first round RESIZE_FIRST_S after start, each next one twice as long after the last, until one runs on a
+# quiet machine, at most RESIZE_MAX_ROUNDS. Each round costs one short and one long prefill per repeat of CPU time
+# nobody waits for; a message arriving between two probes ends the round, so a request waits at most one probe.
 RESIZE_IDLE_S: Final = 5.0
-RESIZE_AFTER_S: Final = (30.0, 300.0, 1800.0)
+RESIZE_FIRST_S: Final = 30.0
+RESIZE_MAX_ROUNDS: Final = 6
+BUSY_SHARE: Final = 0.1  # other processes used at least this share of the machine's CPUs: the probes were contended
 # Each round later by a random 0-50%: the workers of one `kvgate serve --workers N` start, size and idle together,
 # and rounds in step would contend with each other as their start-up probes did.
 RESIZE_JITTER: Final = 0.5
@@ -69,9 +75,41 @@ class ProbeTimes:
     short_ms: float
     long_ms: float
     long_n: int
+    others: float | None = None  # the share of the machine's CPUs other processes used meanwhile (None: unknown)
 
     def best(self, other: ProbeTimes) -> ProbeTimes:
-        return ProbeTimes(min(self.short_ms, other.short_ms), min(self.long_ms, other.long_ms), self.long_n)
+        """The fastest of both (``others``: the newer's)."""
+        return ProbeTimes(min(self.short_ms, other.short_ms), min(self.long_ms, other.long_ms), self.long_n,
+                          other.others)
+
+    @property
+    def contended(self) -> bool:
+        return self.others is None or self.others >= BUSY_SHARE
+
+
+def _cpu_busy_s() -> float | None:
+    """CPU seconds every process has used (Linux's /proc/stat: user, nice, system, irq, softirq, steal), or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _watch() -> Callable[[], float | None]:
+    """Starts watching the machine; the function it returns tells what share of its CPUs processes other than this
+    one used since (None where /proc/stat cannot be read)."""
+    busy, own, wall = _cpu_busy_s(), sum(os.times()[:2]), time.monotonic()
+
+    def others() -> float | None:
+        now_busy = _cpu_busy_s()
+        elapsed = (time.monotonic() - wall) * (os.cpu_count() or 1)
+        if busy is None or now_busy is None or elapsed <= 0:
+            return None
+        return max(0.0, (now_busy - busy) - (sum(os.times()[:2]) - own)) / elapsed
+
+    return others
 
 
 def default_target_ms(device: str) -> float:
@@ -97,6 +135,7 @@ def _probe(engine: LLMEngine, round_: int, repeats: int, stop: Callable[[], bool
     budget = engine.scheduler.config.max_num_batched_tokens
     engine.set_token_budget(max(long_n, budget))  # a probe in one step
     short, long = float("inf"), float("inf")
+    others = _watch()
     try:
         for i in range(repeats):
             for n in (_SHORT, long_n):
@@ -107,7 +146,7 @@ def _probe(engine: LLMEngine, round_: int, repeats: int, stop: Callable[[], bool
                 short, long = (min(short, ms), long) if n == _SHORT else (short, min(long, ms))
     finally:
         engine.set_token_budget(budget)
-    return ProbeTimes(short, long, long_n)
+    return ProbeTimes(short, long, long_n, others())
 
 
 def fit(times: ProbeTimes, target_ms: float, max_num_seqs: int) -> StepSizing:
@@ -133,7 +172,8 @@ def apply(engine: LLMEngine, budget: int) -> None:
 
 
 class Resizer:
-    """Probes again while the engine is idle, a few times (``RESIZE_AFTER_S``), and keeps the fastest times.
+    """Probes again while the engine is idle where start-up's probes were contended, until a round runs on a quiet
+    machine (or ``RESIZE_MAX_ROUNDS``), and keeps the fastest times seen.
 
     Owned by the engine thread, which calls ``maybe_run`` when it has been idle; pure timing logic besides the
     probes themselves, so the schedule is testable with a fake clock."""
@@ -142,24 +182,26 @@ class Resizer:
                  clock: Callable[[], float] = time.monotonic,
                  jitter: Callable[[], float] = lambda: _ENTROPY.uniform(0.0, RESIZE_JITTER)) -> None:
         self.sizing, self.times, self.max_num_seqs, self.clock = sizing, times, max_num_seqs, clock
+        self.jitter = jitter
         self._started = clock()
-        self._after = [t * (1.0 + jitter()) for t in RESIZE_AFTER_S]  # this worker's round times
-        self._rounds_done = 0  # rounds completed (an interrupted one is tried again at the next idle time)
+        self.rounds = 0  # rounds completed (an interrupted one is tried again at the next idle time)
+        self.pending = times.contended  # a quiet start-up measured the machine: nothing to correct
+        self._next = RESIZE_FIRST_S * (1.0 + jitter())  # seconds after start
 
     def due(self, idle_s: float) -> bool:
-        if self._rounds_done >= len(self._after) or idle_s < RESIZE_IDLE_S:
-            return False
-        return self.clock() - self._started >= self._after[self._rounds_done]
+        return self.pending and idle_s >= RESIZE_IDLE_S and self.clock() - self._started >= self._next
 
     def maybe_run(self, engine: LLMEngine, idle_s: float, stop: Callable[[], bool]) -> StepSizing | None:
         """Probe if due; the new sizing when it gives a different budget (already applied), else None."""
         if not self.due(idle_s):
             return None
-        times = _probe(engine, self._rounds_done + 1, _IDLE_REPEATS, stop)
+        times = _probe(engine, self.rounds + 1, _IDLE_REPEATS, stop)
         if times is None:
             return None
-        self._rounds_done += 1
+        self.rounds += 1
         self.times = self.times.best(times)
+        self.pending = times.contended and self.rounds < RESIZE_MAX_ROUNDS
+        self._next = self.clock() - self._started + RESIZE_FIRST_S * 2 ** self.rounds * (1.0 + self.jitter())
         sizing = fit(self.times, self.sizing.target_ms, self.max_num_seqs)
         if sizing.max_num_batched_tokens == self.sizing.max_num_batched_tokens:
             return None

@@ -152,7 +152,7 @@ class Worker:
         sizing = self.resizer.maybe_run(self.engine, idle_s, self.io.has_messages)
         if sizing is not None:
             self.publish()  # the next heartbeat carries the new budget
-            _log_sizing(sizing, "step budget now %d tokens")
+            _log_sizing(sizing, "step budget now %d tokens", self.resizer.times, self.resizer.pending)
 
 
 def _hold_the_gil(seconds: float) -> None:
@@ -174,16 +174,20 @@ def _size_steps(engine: LLMEngine, a: argparse.Namespace,
     with progress.step(f"sizing steps to the machine (target {target:.0f} ms)"):
         sizing, times = step_sizing.measure(engine, target, a.max_num_seqs)
     step_sizing.apply(engine, sizing.max_num_batched_tokens)
-    _log_sizing(sizing, "step budget %d tokens")
+    _log_sizing(sizing, "step budget %d tokens", times, times.contended)
     return sizing.max_num_batched_tokens, step_sizing.Resizer(sizing, times, a.max_num_seqs)
 
 
-def _log_sizing(sizing: step_sizing.StepSizing, what: str) -> None:
-    log.info(what + " (measured: %.1f ms per step + %.3f ms per prefill token; target %.0f ms)",
-             sizing.max_num_batched_tokens, sizing.fixed_ms, sizing.per_token_ms, sizing.target_ms,
+def _log_sizing(sizing: step_sizing.StepSizing, what: str, times: step_sizing.ProbeTimes, again: bool) -> None:
+    """``times``: the last probes' (what other processes used meanwhile); ``again``: whether rounds will follow."""
+    share = "an unknown share" if times.others is None else f"{times.others:.0%}"
+    busy = f"; other processes used {share} of the CPUs meanwhile" + (": sizing again when idle" if again else "")
+    log.info(what + " (measured: %.1f ms per step + %.3f ms per prefill token; target %.0f ms%s)",
+             sizing.max_num_batched_tokens, sizing.fixed_ms, sizing.per_token_ms, sizing.target_ms, busy,
              extra={"fields": {"event": "step_sizing", "max_num_batched_tokens": sizing.max_num_batched_tokens,
                                "fixed_ms": round(sizing.fixed_ms, 2), "per_token_ms": round(sizing.per_token_ms, 4),
-                               "target_step_ms": sizing.target_ms}})
+                               "target_step_ms": sizing.target_ms,
+                               "others_cpu_share": None if times.others is None else round(times.others, 3)}})
 
 
 def hello_for(engine: LLMEngine, worker_id: str, model_name: str) -> Hello:
