@@ -64,6 +64,12 @@ def test_chat_template_matches_transformers(tok: GatewayTokenizer) -> None:
     assert tok.apply_chat_template(conv) == hf.encode(text, add_special_tokens=False)
 
 
+def test_openai_routing_fields_are_kept(tok: GatewayTokenizer) -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "prompt_cache_key": "conv-7",
+                      "service_tier": "flex"}, tok, 4096)
+    assert (req.prompt_cache_key, req.service_tier) == ("conv-7", "flex")
+
+
 def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                       "stop": "x", "top_k": 5, "seed": 3, "max_completion_tokens": 7, "user": None}, tok, 4096)
@@ -83,6 +89,9 @@ def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     ({"model": "m", "prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
     ({"model": "m", "prompt": [[1], "a", 3]}, "prompt"),  # a list of prompts holds strings or id arrays only
+    ({"model": "m", "prompt": "a", "prompt_cache_key": ""}, "prompt_cache_key"),
+    ({"model": "m", "prompt": "a", "prompt_cache_key": "k" * 1025}, "prompt_cache_key"),
+    ({"model": "m", "prompt": "a", "service_tier": "scale"}, "service_tier"),
 ])
 def test_parse_completion_rejects(tok: GatewayTokenizer, body: dict[str, object], param: str) -> None:
     with pytest.raises(APIError) as e:

@@ -17,7 +17,7 @@ from quart import Response
 
 from gateway.api.openapi_batches import batches_paths
 from gateway.api.openapi_responses import responses_paths
-from gateway.pipeline.protocol import MAX_N, MAX_SEQUENCES
+from gateway.pipeline.protocol import MAX_CACHE_KEY_CHARS, MAX_N, MAX_SEQUENCES
 from ipc.sampling import MAX_LOGIT_BIAS
 from tenancy.tiers import SERVICE_TIERS, TIER_NAMES
 
@@ -89,6 +89,9 @@ _COMMON = {
     "model": _STR, "stream": _BOOL, "max_tokens": {"type": "integer", "minimum": 1}, "stop": _STOP,
     "n": _N, "user": _STR,
     "service_tier": _SERVICE_TIER,
+    "prompt_cache_key": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_KEY_CHARS,
+                         "description": "OpenAI's: requests of a tenant that share it go to the worker the last one "
+                                        "went to (while it has room), where their common prefix is cached"},
     "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                    "description": "token id (a decimal string) -> bias added to its logit before sampling; "

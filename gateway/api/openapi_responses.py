@@ -77,6 +77,7 @@ def _create(model: Json) -> Json:
             "format": _FORMAT, "verbosity": {"type": "string", "enum": ["medium"]}}},
         "truncation": {"type": "string", "enum": ["disabled"]}, "parallel_tool_calls": _BOOL,
         "service_tier": {"type": "string", "enum": list(SERVICE_TIERS)},
+        "prompt_cache_key": {"type": "string", "minLength": 1},
         "tool_choice": _TOOL_CHOICE, "tools": {"type": "array", "maxItems": 128, "items": _TOOL},
         "include": _INCLUDE}}
 

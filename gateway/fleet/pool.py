@@ -31,7 +31,7 @@ from gateway.base.handle import PendingBudget, RequestHandle
 from gateway.config import AdmissionConfig, TimingConfig
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.identities import WorkerIdentities
-from gateway.fleet.routing import Placement, Router, WorkerLoad, adapter_key, prefix_keys
+from gateway.fleet.routing import Placement, Router, WorkerLoad, adapter_key, cache_key, prefix_keys
 from gateway.fleet.worker_link import Outgoing, open_outbox, run_sender
 from gateway.fleet.worker_state import NoObserver, PoolObserver, WorkerState
 from ipc.messages import (Abort, Generate, Goodbye, Hello, Refused, RequestError, Shutdown, Stats, StepOutputs,
@@ -134,7 +134,7 @@ class WorkerPool:
                      cache_salt: str | None, deadline: float | None, weight: float = 1.0,
                      trace_context: dict[str, str] | None = None, near: str | None = None,
                      priority: int = 0, tier: str = DEFAULT_TIER, lora: str | None = None,
-                     adapter: str | None = None) -> RequestHandle:
+                     adapter: str | None = None, prompt_cache_key: str | None = None) -> RequestHandle:
         """Pick a worker and queue the request for it (``near``: the worker of the same request's first
         sequence; ``tier``: the class whose share of the admission bounds it may fill; ``lora``: the adapter's
         directory the worker loads, ``adapter`` its registered name, for metrics). Raises APIError(503) when
@@ -148,6 +148,8 @@ class WorkerPool:
         keys = prefix_keys(cache_salt if lora is None else f"{cache_salt or ''}\x1flora:{lora}", prompt_ids)
         if lora is not None:  # no known prefix: the worker that ran the adapter last likely holds it resident
             keys.append(adapter_key(lora))
+        if prompt_cache_key is not None:  # the client's word on what shares a prefix: first
+            keys.insert(0, cache_key(cache_salt, prompt_cache_key))
         tenant = cache_salt or ""  # the workers' fair queues share by salt (one a tenant): so does the router
         who = Placement(tenant, weight, near, tier_named(tier).capacity_share)
         wid = self.router.choose(open_, keys, len(prompt_ids), who)

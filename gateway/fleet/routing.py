@@ -14,6 +14,8 @@ waiting on every worker, with room there for its weight to act; the router sees 
   own to one worker, and the heavier one spilled onto the other's: weights 3:1 over two workers gave the light
   tenant 0.13-0.20 of the tokens (``tests/test_gateway_fair_fleet.py``). A request's later sequences (``n``;
   ``near``: the worker of its first) may follow it past the tenant slack: they share its prompt's blocks.
+  A request that names OpenAI's ``prompt_cache_key`` has one more key before its prefixes (``cache_key``, within
+  its tenant): the client says which requests share a prefix, so they go where the last one with that key went.
   A request with a LoRA adapter has one more key after its prefixes (``adapter_key``): with no known prefix, it
   prefers the worker that ran that adapter last (which likely holds it resident, so it runs without a load), on
   the same terms.
@@ -116,6 +118,12 @@ def prefix_keys(cache_salt: str | None, prompt_ids: Sequence[int]) -> list[bytes
             h.update(b"".join(t.to_bytes(4, "little") for t in prompt_ids[:n]))
             keys.append(h.digest())
     return keys
+
+
+def cache_key(cache_salt: str | None, prompt_cache_key: str) -> bytes:
+    """The affinity key of OpenAI's ``prompt_cache_key`` within a tenant (its salt): never equal to another key."""
+    return hashlib.blake2b(b"\x02cache\x00" + (cache_salt or "").encode() + b"\x00" + prompt_cache_key.encode(),
+                           digest_size=16).digest()
 
 
 def adapter_key(lora: str) -> bytes:

@@ -197,6 +197,7 @@ async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest,
                                        child_sampling(req.sampling, i), cache_salt, deadline, weight, trace_context,
                                        near=near, priority=req.priority if priority is None else priority, tier=tier,
                                        lora=None if adapter is None else adapter.path,
-                                       adapter=None if adapter is None else adapter.name)
+                                       adapter=None if adapter is None else adapter.name,
+                                       prompt_cache_key=req.prompt_cache_key)
             # the streamed choice index (best_of > n never streams: its indexes are the ranks)
             choices.children.append(Child(handle, OutputAssembler(tok, req.stop, req.logprobs, p * req.n + i)))

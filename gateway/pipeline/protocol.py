@@ -34,6 +34,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_PRIORITY = 2**31 - 1  # vLLM's priority is any int; the wire carries it in 32 bits comfortably
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for: each holds its own KV blocks on a worker
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CACHE_KEY_CHARS = 1024  # prompt_cache_key: a name, hashed into a routing key
 MAX_SEQUENCES = 64  # prompts x best_of of one completions request (LangChain batches 20 prompts by default)
 
 Kind = Literal["chat", "completion"]
@@ -66,6 +67,7 @@ class GenerationRequest:
     priority: int = 0  # vLLM's: lower runs sooner (workers' priority scheduling policy; fcfs refuses others)
     batch: tuple[Prompt, ...] = ()  # a completions request that lists prompts: all of them, in order
     service_tier: str | None = None  # OpenAI's (tenancy.tiers.SERVICE_TIERS); None: not asked
+    prompt_cache_key: str | None = None  # OpenAI's routing hint: requests sharing it go where the last one went
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Every prompt, in choice order (one, but for a completions request that lists several)."""
@@ -115,7 +117,7 @@ _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     "model": _is_str, "stream": _is_bool, "stream_options": _is_any, "max_tokens": _is_int, "stop": _is_any,
     "n": _is_int, "user": _is_str, "prompt_logprobs": _is_int, "priority": _is_int, "logit_bias": _is_any,
-    "service_tier": _is_str,
+    "service_tier": _is_str, "prompt_cache_key": _is_str,
     **_SAMPLING_FIELDS,
     **STRUCTURED_FIELDS,
 }
@@ -320,6 +322,13 @@ def _service_tier(fields: dict[str, Any]) -> str | None:
     return value
 
 
+def _prompt_cache_key(fields: dict[str, Any]) -> str | None:
+    key = fields.get("prompt_cache_key")
+    if key is not None and not 0 < len(key) <= MAX_CACHE_KEY_CHARS:
+        raise bad_request(f"'prompt_cache_key' must have 1..{MAX_CACHE_KEY_CHARS} characters", param="prompt_cache_key")
+    return key
+
+
 def _priority(fields: dict[str, Any]) -> int:
     p = int(fields.get("priority", 0))
     if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
@@ -367,7 +376,7 @@ def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
     sampling = _sampling(fields, max_tokens, n_top, tok.vocab_size, tools, prompt_lps)
     return GenerationRequest("chat", prompt_ids, sampling, max_tokens, stop, stream, include_usage, logprobs,
                              n_top or 0, n, n, tools, prompt_lps, priority=_priority(fields),
-                             service_tier=_service_tier(fields))
+                             service_tier=_service_tier(fields), prompt_cache_key=_prompt_cache_key(fields))
 
 
 def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
@@ -398,4 +407,4 @@ def parse_completion(body: Any, tok: GatewayTokenizer, max_model_len: int | None
     sampling = _sampling(fields, max_tokens, worker_top, tok.vocab_size, prompt_logprobs=worker_prompt_lps)
     return GenerationRequest("completion", prompts[0].ids, sampling, max_tokens, stop, stream, include_usage,
                              n_top is not None, n_top or 0, n, best_of, None, prompt_lps, echo, _priority(fields),
-                             prompts if len(prompts) > 1 else (), _service_tier(fields))
+                             prompts if len(prompts) > 1 else (), _service_tier(fields), _prompt_cache_key(fields))

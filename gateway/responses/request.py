@@ -53,7 +53,7 @@ FIELDS: dict[str, Callable[[Any], bool]] = {
     "temperature": _is_number, "top_p": _is_number, "metadata": _is_any, "user": _is_str, "store": _is_bool,
     "stream": _is_bool, "previous_response_id": _is_str, "text": _is_any, "truncation": _is_str,
     "parallel_tool_calls": _is_bool, "tool_choice": _is_any, "tools": _is_any, "include": _is_any,
-    "service_tier": _is_str,  # checked by the chat parser it is handed to (gateway.pipeline.protocol)
+    "service_tier": _is_str, "prompt_cache_key": _is_str,  # checked by the chat parser they are handed to
 }
 # What ``include`` may name: extra output of hosted tools, images and reasoning, none of which this server has, so
 # naming them adds nothing (agent SDKs send the list on every call). Output logprobs it does not serve: a 400.
@@ -100,6 +100,7 @@ class ResponsesRequest:
     truncation: str = "disabled"
     tools: ToolSettings = field(default_factory=ToolSettings)
     service_tier: str | None = None  # OpenAI's; None: not asked
+    prompt_cache_key: str | None = None  # OpenAI's routing hint
 
 
 def _fields(body: Any) -> dict[str, Any]:
@@ -250,7 +251,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
         items, messages, fields.get("instructions"), previous, max_output, fields.get("temperature"),
         fields.get("top_p"), _metadata(fields.get("metadata")), fields.get("user"), fields.get("store", True),
         fields.get("stream", False), text_format, response_format, tools=_tools(fields),
-        service_tier=fields.get("service_tier"))
+        service_tier=fields.get("service_tier"), prompt_cache_key=fields.get("prompt_cache_key"))
 
 
 def chat_body(req: ResponsesRequest, model: str, history: list[ChatMessage]) -> dict[str, Any]:
@@ -259,7 +260,8 @@ def chat_body(req: ResponsesRequest, model: str, history: list[ChatMessage]) -> 
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": model, "messages": [*messages, *history, *req.messages], "stream": req.stream}
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "user": req.user, "response_format": req.response_format, "service_tier": req.service_tier}
+                "user": req.user, "response_format": req.response_format, "service_tier": req.service_tier,
+                "prompt_cache_key": req.prompt_cache_key}
     body.update({k: v for k, v in optional.items() if v is not None})
     body.update(req.tools.chat_fields())
     return body
