@@ -66,7 +66,7 @@ def tier(name: str) -> Tier:
 # of its tenant's tier and what it asked for: it may place itself lower, never higher (as with ``priority``).
 SERVICE_TIERS: dict[str, TierName | None] = {"auto": None, "default": "standard", "flex": "batch",
                                              "priority": "interactive"}
-_OPENAI_NAME: dict[str, str] = {"interactive": "priority", "standard": "default", "batch": "flex"}
+_OPENAI_NAME: dict[str, str] = {t: name for name, t in SERVICE_TIERS.items() if t is not None}
 
 
 def requested_tier(tenant_tier: str, service_tier: str | None) -> str:

@@ -169,3 +169,12 @@ def test_the_router_says_what_idle_workers_could_never_hold() -> None:
     assert "1001 prompt tokens" in (router.never_admits(1, 2, 1001, 600, 1.0) or "")
     assert router.never_admits(2, 2, 4000, 2000, 1.0) is None  # each idle worker takes one prompt past the bound
     assert router.never_admits(1, 1, 50_000, 50_000, 0.5) is None  # one sequence always fits an idle worker
+
+
+def test_the_refusal_names_the_one_request_an_idle_worker_always_admits() -> None:
+    from gateway.config import AdmissionConfig
+    from gateway.fleet.routing import Router
+
+    # a batch tier's half of a 1-request bound is under one, but an idle worker still takes one request
+    why = Router(AdmissionConfig(max_requests=1, max_prompt_tokens=1000)).never_admits(1, 2, 10, 5, 0.5)
+    assert why is not None and "admit 1 at once" in why

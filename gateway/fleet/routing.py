@@ -172,9 +172,10 @@ class Router:
         or None. A tenant never holds more than the bounds on a worker (its share of them is at most all), and a
         worker takes one prompt past the token bound only alone, so a worker holds at most ``share`` x
         max_requests sequences and max(``share`` x max_prompt_tokens, ``longest``) tokens of one request."""
-        max_requests = math.floor(workers * share * self.admission.max_requests)
+        # an idle worker admits one request even where its share of the bound is under one (can_admit's floats)
+        max_requests = max(1, math.floor(workers * share * self.admission.max_requests))
         max_tokens = workers * max(share * self.admission.max_prompt_tokens, longest)
-        if sequences > max(1, max_requests):
+        if sequences > max_requests:
             return (f"this request makes {sequences} sequences (prompts x best_of) and the {workers} worker(s) "
                     f"admit {max_requests} at once for its tier: send fewer prompts or sequences per request")
         if prompt_tokens > max_tokens:

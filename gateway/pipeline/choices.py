@@ -185,8 +185,8 @@ async def submit_all(pool: WorkerPool, choices: Choices, req: GenerationRequest,
     own, ``gateway.pipeline.tiering``); ``adapter``: the LoRA adapter every sequence runs with (workers are sent its
     directory). Raises what ``pool.submit`` raises; ``release_all`` aborts those queued. A request the workers
     could not hold at once even idle (many or long prompts x best_of) is a 400, before anything is queued."""
-    lengths = [len(p.ids) for p in req.prompts()]
-    why = pool.never_admits(req.sequences, sum(lengths) * choices.best_of, max(lengths), tier)
+    why = pool.never_admits(req.sequences, req.prompt_tokens * choices.best_of,
+                            max(len(p.ids) for p in req.prompts()), tier)
     if why is not None:  # can never fit: a 400, not a 503 its client would retry forever
         raise APIError(400, why, code="exceeds_worker_capacity")
     for p, prompt in enumerate(req.prompts()):

@@ -76,12 +76,12 @@ class GenerationRequest:
     @property
     def prompt_tokens(self) -> int:
         """What the request's prompts count (usage, quota): every prompt's tokens."""
-        return sum(len(p.ids) for p in self.batch) if self.batch else len(self.prompt_ids)
+        return sum(len(p.ids) for p in self.prompts())
 
     @property
     def sequences(self) -> int:
         """Worker requests it makes: ``best_of`` per prompt."""
-        return self.best_of * max(1, len(self.batch))
+        return self.best_of * len(self.prompts())
 
 
 # ---- field types ---------------------------------------------------------------------------------

@@ -60,18 +60,14 @@ class Scheduler:
 
     def counters(self) -> Counters:
         """A copy of the cumulative counters, for ``restore_counters``."""
-        sc = self.spec_counters
         return Counters(self.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
-                        self.bm.prefix_queries, self.bm.prefix_hits,
-                        SpecCounters(sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens,
-                                     list(sc.accepted_per_pos)))
+                        self.bm.prefix_queries, self.bm.prefix_hits, self.spec_counters.copy())
 
     def restore_counters(self, c: Counters) -> None:
         self.num_preemptions, self.prompt_tokens_total = c.num_preemptions, c.prompt_tokens_total
         self.generation_tokens_total = c.generation_tokens_total
         self.bm.restore_counters(c.prefix_queries, c.prefix_hits)
-        self.spec_counters = SpecCounters(c.spec.num_drafts, c.spec.num_draft_tokens, c.spec.num_accepted_tokens,
-                                          list(c.spec.accepted_per_pos))
+        self.spec_counters = c.spec.copy()
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

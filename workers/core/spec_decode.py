@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.speculative import SpeculativeConfig
 
@@ -78,9 +78,9 @@ class SpecCounters:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
-    def reset(self) -> None:
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = []
+    def copy(self) -> SpecCounters:
+        """An independent copy (its per-position list too)."""
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
 
 def may_draft(state: SpecState, cfg: SpeculativeConfig, num_running: int) -> bool:
