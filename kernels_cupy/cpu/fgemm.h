@@ -324,8 +324,7 @@ static void gemm(const Args& a, int64_t n0, int64_t n1) {
 }  // namespace fgemm
 
 #ifndef FGEMM_CORE_ONLY  // the torch binding; define FGEMM_CORE_ONLY for the core alone
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <string>
 

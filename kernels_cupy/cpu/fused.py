@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 
 
 def fused_files() -> list[Path]:
-    """The fused ops' source, then the header it includes (its build key; the decode stack's too)."""
+    """The fused ops' source, then the headers it includes (its build key; the decode stack's too)."""
     here = Path(__file__)
-    return [here.with_name("fused_ops.cpp"), here.with_name("simd_exp.h")]
+    return [here.with_name("fused_ops.cpp"), here.with_name("simd_exp.h"), here.with_name("torch_api.h")]
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,8 +3,7 @@
 // Each function body is compiled twice by gcc's target_clones, for AVX2 and for the baseline ISA, and the
 // loader picks the clone at run time from the CPU's features (an ifunc), so one binary runs everywhere.
 // References in torch: workers/models/fused.py; tests/test_fused_ops.py compares the two.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

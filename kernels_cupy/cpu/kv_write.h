@@ -6,8 +6,7 @@
 // Included by paged_decode.cpp (and through it by decode_stack.cpp).
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <immintrin.h>
 

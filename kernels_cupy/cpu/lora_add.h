@@ -21,8 +21,7 @@
 // Included by qgemm.cpp after fgemm.h.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <atomic>

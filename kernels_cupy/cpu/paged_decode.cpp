@@ -11,8 +11,7 @@
 // consecutive rows of one sequence (a prefill chunk) too, so every K/V row loaded serves all of them. Items
 // are (row group, KV head), or (row group, KV head, chunk) where there are too few groups to keep the threads
 // busy, handed out dynamically. Two passes per chunk: scores, then softmax-weighted V sum.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 """Build every C++ CPU kernel now (``make setup`` runs this), so no worker compiles one while it starts.
 
-A worker that finds a kernel unbuilt compiles it inside its start-up (50-80 s on a 2-core Zen 1/Zen 3), which
+A worker that finds a kernel unbuilt compiles it inside its start-up (25-75 s on a 2-core Zen 1), which
 is time a gateway, a test fixture or an operator waits on with no output. Building here, once per content key
 (``build.py``), moves that cost to setup; a later start only imports the finished module (well under a second).
 A kernel that cannot be built is reported and left to its fallback path; setup does not fail on it.
@@ -19,8 +19,8 @@ from typing import Any
 
 
 def _loaders() -> dict[str, Callable[[], Any | None]]:
-    """Each kernel's loader by its label, longest build first (Zen 1: stack 103 s, GEMM 93, attention 72, fused
-    60), so that two cores end together."""
+    """Each kernel's loader by its label, longest build first (Zen 1, two at once: stack 75 s, GEMM 57, attention
+    35, fused 25), so that two cores end together."""
     from kernels_cupy.cpu import load
     from kernels_cupy.cpu.fused import load_fused
     from kernels_cupy.cpu.qgemm import load_qgemm

@@ -1,6 +1,5 @@
 // torch binding of the block-quantized GEMM (qgemm_core.h): the linear layer of `--quantization int8|int4`.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include "qgemm_core.h"
 #include "fgemm.h"
