@@ -5,14 +5,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup kernels typecheck redis-server postgresql chromium serve generate test test-fast bench clean
+.PHONY: setup kernels typecheck bytecode redis-server postgresql chromium serve generate test test-fast bench clean
 
-setup: $(STAMP) kernels
+setup: $(STAMP) kernels bytecode
 
 # The C++ CPU kernels, built now rather than inside a worker's start-up (each build is keyed by its sources,
 # flags and CPU, so this is a quick import when nothing changed).
 kernels: $(STAMP)
 	$(PY) -m kernels_cupy.cpu.prebuild
+
+# Our packages as bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on this workplace's machines) no
+# process writes its own, so every gateway or worker start compiled every module of ours again (importing the
+# gateway: 1.9 -> 1.05 s on a Zen 1). A file edited later is stale here and compiled in memory, as before.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 workers ipc common gateway tenancy chaos console kernels_cupy
 
 # torch first, pinned: the CPU build of 2.13.0 lies on local disk; a loose pin would pull a CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -67,7 +73,7 @@ generate: setup
 # two (~110 s), and one after the other they left a core idle for most of both.
 TEST_JOBS ?= 2
 test: $(STAMP) redis-server postgresql chromium
-	$(MAKE) --no-print-directory -j 2 kernels typecheck
+	$(MAKE) --no-print-directory -j 2 kernels typecheck bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope -m "not serial" --durations=30
 	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=10
 
