@@ -79,6 +79,19 @@ def test_parse_chat_fields(tok: GatewayTokenizer) -> None:
     assert req.max_tokens == 100 - len(req.prompt_ids)  # chat default: the rest of the context
 
 
+def test_chat_store_false_is_served_and_store_true_refused(tok: GatewayTokenizer) -> None:
+    """SDKs and frameworks send OpenAI's `store` (false by default) on chat completions; nothing is stored here."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+    assert parse_chat({**chat, "store": False}, tok, 4096).prompt_ids == parse_chat(chat, tok, 4096).prompt_ids
+    with pytest.raises(APIError) as e:
+        parse_chat({**chat, "store": True}, tok, 4096)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "store", "unsupported_value")
+    assert "/v1/responses" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_chat({**chat, "store": "yes"}, tok, 4096)
+    assert e.value.param == "store"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "m", "prompt": "a", "presence_penalty": 3}, "presence_penalty"),
     ({"model": "m", "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),

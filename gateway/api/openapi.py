@@ -115,7 +115,9 @@ _CHAT = {"type": "object", "required": ["model", "messages"], "additionalPropert
     "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": _BOOL,
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": _FUNCTION_TOOL}, "tool_choice": _TOOL_CHOICE,
-    "parallel_tool_calls": _BOOL, "prompt_logprobs": _PROMPT_LOGPROBS}}
+    "parallel_tool_calls": _BOOL, "prompt_logprobs": _PROMPT_LOGPROBS,
+    "store": {"type": "boolean", "enum": [False], "description": "OpenAI's; chat completions are not stored here "
+                                                                 "(the Responses API stores what it answers)"}}}
 _COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
     **_COMMON, "prompt": {"oneOf": [_STR, _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_SEQUENCES,
                                                       "items": {"oneOf": [_STR, _TOKEN_IDS]}}],

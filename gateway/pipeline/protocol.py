@@ -122,7 +122,8 @@ _COMMON_FIELDS: dict[str, Callable[[Any], bool]] = {
     **STRUCTURED_FIELDS,
 }
 CHAT_FIELDS = {**_COMMON_FIELDS, "messages": _is_any, "max_completion_tokens": _is_int, "logprobs": _is_bool,
-               "top_logprobs": _is_int, "tools": _is_any, "tool_choice": _is_any, "parallel_tool_calls": _is_bool}
+               "top_logprobs": _is_int, "tools": _is_any, "tool_choice": _is_any, "parallel_tool_calls": _is_bool,
+               "store": _is_bool}
 COMPLETION_FIELDS = {**_COMMON_FIELDS, "prompt": _is_any, "logprobs": _is_int, "echo": _is_bool,
                      "best_of": _is_int}
 
@@ -349,9 +350,19 @@ def _echo(fields: dict[str, Any], ids: list[int], text: str | None, tok: Gateway
     return text if text is not None else tok.decode(ids)  # token ids: their text
 
 
+def _not_stored(fields: dict[str, Any]) -> None:
+    """OpenAI's ``store`` on chat completions (false by default): ``false`` asks for what happens anyway. A chat
+    completion is never kept here; the Responses API is what stores (and lists, and continues from)."""
+    if fields.get("store") is True:
+        raise bad_request("'store': true is not supported on chat completions: they are not kept here. The "
+                          "Responses API (POST /v1/responses) stores what it answers", param="store",
+                          code="unsupported_value")
+
+
 def parse_chat(body: Any, tok: GatewayTokenizer, max_model_len: int | None,
                default_max_tokens_cap: int | None = None) -> GenerationRequest:
     fields = check_fields(body, CHAT_FIELDS)
+    _not_stored(fields)
     stream, include_usage, stop, n = _common_checks(fields)
     if "messages" not in fields:
         raise bad_request("'messages' is required", param="messages")
