@@ -67,7 +67,8 @@ generate: setup
 # (--dist loadscope), so a module-scoped server or model starts once, not once per process. The tests marked
 # `serial` are judged by timing (deadlines of a few seconds, latencies against a baseline, a weighted share of
 # tokens): another process's load between their measurements would move the verdict, so they run afterwards, one
-# at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes.
+# at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes. Three
+# processes instead of two ran the first pass slower (over 20 min): it keeps both cores 99.5% busy.
 # --durations: where the minutes go, in every CI log.
 # The type check runs beside the kernel builds: it takes one core (~100 s from a cold cache on a Zen 1), the builds
 # two (~110 s), and one after the other they left a core idle for most of both.
