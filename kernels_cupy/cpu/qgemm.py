@@ -19,7 +19,8 @@ _DIR = Path(__file__).parent
 
 def qgemm_files() -> list[Path]:
     """The GEMM's source, then every header it includes (its build key; the decode stack's too)."""
-    return [_DIR / "qgemm.cpp", *sorted(_DIR.glob("qgemm*.h")), _DIR / "fgemm.h", _DIR / "lora_add.h", _DIR / "torch_api.h"]
+    return [_DIR / "qgemm.cpp", *sorted(_DIR.glob("qgemm*.h")), _DIR / "fgemm.h", _DIR / "lora_add.h",
+            _DIR / "torch_api.h"]
 
 
 @functools.lru_cache(maxsize=1)
