@@ -1,6 +1,7 @@
 // The A16 block-quantized GEMM (kernels_cupy/cpu/qgemm_core.h) alone, torch-free, one thread: for SmolLM2's
 // linear shapes and a range of M, the run-time path's output against the scalar reference (bit for bit: "ok"
-// or "MISMATCH") and the fastest of repeated calls (activation quantization included), in GMAC/s.
+// or "MISMATCH") and the fastest of repeated calls (activation quantization included), in GMAC/s; for 4-bit weights on
+// the AVX2 path also the same call on the codes packed as a model's are (pack_lanes_q4, QArgs16::wlanes).
 // Compiling it against two trees' headers times two versions of the kernel in one sitting:
 //   g++ -O3 -ffp-contract=off -std=c++17 -Ikernels_cupy/cpu bench/qgemm16_harness.cpp -o /tmp/h16_new
 //   mkdir -p /tmp/old && for f in $(git ls-tree --name-only <rev> kernels_cupy/cpu/ | grep '/qgemm.*\.h$'); do
@@ -48,23 +49,34 @@ int main(int argc, char** argv) {
       scalar::quantize_rows16(x.data(), M, K, q0.data(), qs, sa0.data(), xs0.data(), ss);
       scalar::gemm16(QArgs16{M, N, K, bits, q0.data(), qs, sa0.data(), xs0.data(), ss, wq.data(), wd.data(), wmp,
                              nullptr, ref.data()}, 0, N);
-      auto run = [&] {
-        quantize_rows16(x.data(), M, 0, M, K, bits, q.data(), qs, sa.data(), xs.data(), ss);
-        gemm16(QArgs16{M, N, K, bits, q.data(), qs, sa.data(), xs.data(), ss, wq.data(), wd.data(), wmp, nullptr,
-                       out.data()}, 0, N);
+      const bool packable = bits == 4 && isa() == kAvx2;
+      std::vector<uint8_t> wp(wq.size());
+      if (packable) pack_lanes_q4(wq.data(), wp.data(), N, K);
+      auto run = [&](bool packed) {
+        quantize_rows16(x.data(), M, 0, M, K, bits, q.data(), qs, sa.data(), xs.data(), ss, packed);
+        QArgs16 a{M, N, K, bits, q.data(), qs, sa.data(), xs.data(), ss, packed ? wp.data() : wq.data(), wd.data(),
+                  wmp, nullptr, out.data()};
+        a.wlanes = packed;
+        gemm16(a, 0, N);
       };
-      run();
+      auto time_it = [&](bool packed, int64_t& bad) {
+        run(packed);
+        for (int64_t i = 0; i < M * N; ++i) bad += std::memcmp(&out[i], &ref[i], 4) != 0;
+        double best = 1e9;
+        const double t_end = now() + 0.25;
+        for (int it = 0; now() < t_end || it < 3; ++it) {
+          const double t = now();
+          run(packed);
+          best = std::min(best, now() - t);
+        }
+        return best;
+      };
       int64_t bad = 0;
-      for (int64_t i = 0; i < M * N; ++i) bad += std::memcmp(&out[i], &ref[i], 4) != 0;
-      double best = 1e9;
-      const double t_end = now() + 0.25;
-      for (int it = 0; now() < t_end || it < 3; ++it) {
-        const double t = now();
-        run();
-        best = std::min(best, now() - t);
-      }
-      std::printf("N=%5ld K=%5ld M=%4ld  %8.3f ms  %6.1f GMAC/s  %s\n", static_cast<long>(N), static_cast<long>(K),
-                  static_cast<long>(M), best * 1e3, M * N * K / best / 1e9, bad ? "MISMATCH" : "ok");
+      const double best = time_it(false, bad);
+      std::printf("N=%5ld K=%5ld M=%4ld  %8.3f ms  %6.1f GMAC/s", static_cast<long>(N), static_cast<long>(K),
+                  static_cast<long>(M), best * 1e3, M * N * K / best / 1e9);
+      if (packable) std::printf("  packed %6.1f GMAC/s", M * N * K / time_it(true, bad) / 1e9);
+      std::printf("  %s\n", bad ? "MISMATCH" : "ok");
     }
   }
   return 0;

@@ -150,4 +150,4 @@ def test_stack_refuses_a_model_it_cannot_run(stack_kernel: Any) -> None:
     setattr(model.layers[0].mlp, "down_proj", wide)
     assert DecodeStack.build(stack_kernel, model.layers, 4, 4, 16, 1e-5) is None
     with pytest.raises(RuntimeError, match="26 tensors"):
-        stack_kernel.Stack([None] * 25, [0] * 4, [16] * 4, 4, 4, 16, 1e-5)
+        stack_kernel.Stack([None] * 25, [0] * 4, [16] * 4, [0] * 4, 4, 4, 16, 1e-5)

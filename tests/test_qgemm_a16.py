@@ -148,3 +148,64 @@ def test_every_isa_path_is_bit_identical(kernel, tmp_path) -> None:  # type: ign
     results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "vnni", "best"), tmp_path)
     for isa, got in results.items():
         assert torch.equal(got, results["scalar"]), isa
+
+
+_PACKED_CHECK = """
+import sys, torch
+from kernels_cupy.cpu.qgemm import load_qgemm
+from workers.models.quant import quantize
+mod = load_qgemm()
+g = torch.Generator().manual_seed(1)
+outs = []
+# K of 1 to 26 blocks: no full group, full groups only (8, 16, 24), and every tail of 1 to 7 blocks (the packed
+# tail's one-pair and reduced paths, odd tails on the last column: the zero-padded copy); M 1 to 11 (the packed
+# kernel's row tiles of 3, then 2 or 1) and 12, 16 (the lane kernel widening packed groups); 37 columns (odd: a last
+# single column).
+for nb in range(1, 27):
+    k = 32 * nb
+    w = quantize(torch.randn(37, k, generator=g) * 0.1, 4)
+    packed = mod.pack_lanes(w.codes, k)
+    bias = torch.randn(37, generator=g)
+    for m in (1, 2, 3, 4, 5, 7, 11, 12, 16):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
+        x[0, :32] = 0.0
+        plain = mod.qlinear(x, w.codes, w.d, w.m, bias, 4, None, 16)
+        if mod.isa() == "avx2":
+            got = mod.qlinear(x, packed, w.d, w.m, bias, 4, None, 16, True)
+            if not torch.equal(got, plain):
+                sys.exit(f"packed != plain: K {k}, M {m}")
+            outs.append(got.flatten())
+        else:
+            try:
+                mod.qlinear(x, packed, w.d, w.m, bias, 4, None, 16, True)
+                sys.exit("packed weights were accepted off the AVX2 path")
+            except RuntimeError as e:
+                assert "wlanes" in str(e), e
+            outs.append(plain.flatten())
+torch.save(torch.cat(outs), sys.argv[1])
+print(mod.isa())
+"""
+
+
+def test_packed_weights_give_the_same_bits(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4-bit codes packed in lane order (``pack_lanes``, the AVX2 path's layout for a model's weights) give the bits
+    of the GGUF's own order on that path, and so the scalar reference's; other paths refuse them."""
+    results = results_per_isa(_PACKED_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2"), tmp_path)
+    if "avx2" not in results:
+        pytest.skip("this CPU has no AVX2 path")
+    assert torch.equal(results["avx2"], results["scalar"])
+
+
+def test_pack_lanes_moves_bytes_within_full_groups(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Byte 32 q + 4 j + t of a full group is byte 4 q + t of its block j; the tail blocks keep their bytes."""
+    n, k = 3, 32 * 19  # two full groups and a 3-block tail
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    packed = kernel.pack_lanes(codes, k)
+    for g in range(2):
+        for q in range(4):
+            for j in range(8):
+                for t in range(4):
+                    assert torch.equal(packed[:, g * 128 + 32 * q + 4 * j + t], codes[:, g * 128 + 16 * j + 4 * q + t])
+    assert torch.equal(packed[:, 256:], codes[:, 256:])
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernel.pack_lanes(codes.to(torch.int8), k)

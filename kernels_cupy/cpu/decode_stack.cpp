@@ -31,6 +31,7 @@ namespace decode_stack {
 // DenseLinear, so both give the same bits.
 struct Linear {
   int64_t bits = 0, act_bits = 16;
+  bool wlanes = false;  // wq packed for the AVX2 A16 kernel (qlinear's wlanes)
   torch::Tensor wq, wd, wm, wmt, bias, dense;  // undefined where the layer has none
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
@@ -38,7 +39,7 @@ struct Linear {
     if (bits == 0) return flinear(x.contiguous(), dense, b);
     const c10::optional<torch::Tensor> m = wm.defined() ? c10::optional<torch::Tensor>(wm) : c10::nullopt;
     const c10::optional<torch::Tensor> mt = wmt.defined() ? c10::optional<torch::Tensor>(wmt) : c10::nullopt;
-    return qlinear(x, wq, wd, m, b, bits, mt, act_bits);
+    return qlinear(x, wq, wd, m, b, bits, mt, act_bits, wlanes);
   }
 };
 
@@ -115,12 +116,14 @@ class Stack {
  public:
   // tensors: per layer norm1, norm2, then for qkv, o, gate_up, down in turn: wq, wd, wm, wmt, bias, dense (None
   // where absent); bits: per layer the four projections' widths (0: fp32 `dense`); act_bits: their activation
-  // widths (8 or 16; ignored for bits 0).
+  // widths (8 or 16; ignored for bits 0); wlanes: whether their wq is packed (qlinear's wlanes).
   Stack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& bits,
-        const std::vector<int64_t>& act_bits, int64_t hq, int64_t hkv, int64_t head_dim, double eps)
+        const std::vector<int64_t>& act_bits, const std::vector<int64_t>& wlanes, int64_t hq, int64_t hkv,
+        int64_t head_dim, double eps)
       : hq_(hq), hkv_(hkv), d_(head_dim), eps_(eps) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0 && head_dim % 2 == 0, "bad head layout");
-    TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4 && act_bits.size() == bits.size(),
+    TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4 && act_bits.size() == bits.size() &&
+                    wlanes.size() == bits.size(),
                 "26 tensors and 4 widths a layer");
     auto get = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : torch::Tensor(); };
     for (size_t l = 0; l < tensors.size() / 26; ++l) {
@@ -131,7 +134,7 @@ class Stack {
       for (size_t j = 0; j < 4; ++j) {
         Linear& lin = *lins[j];
         const size_t b = t0 + 2 + 6 * j;
-        lin.bits = bits[l * 4 + j], lin.act_bits = act_bits[l * 4 + j];
+        lin.bits = bits[l * 4 + j], lin.act_bits = act_bits[l * 4 + j], lin.wlanes = wlanes[l * 4 + j] != 0;
         lin.wq = get(b), lin.wd = get(b + 1), lin.wm = get(b + 2), lin.wmt = get(b + 3), lin.bias = get(b + 4);
         lin.dense = get(b + 5);
         TORCH_CHECK(lin.bits == 0 ? lin.dense.defined() : (lin.wq.defined() && lin.wd.defined()),
@@ -223,7 +226,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &decode_stack::LoraAdapter::num_layers);
   pybind11::class_<decode_stack::Stack>(m, "Stack")
       .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
-                          const std::vector<int64_t>&, int64_t, int64_t, int64_t, double>())
+                          const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t,
+                          double>())
       .def("num_layers", &decode_stack::Stack::num_layers)
       .def("forward", &decode_stack::Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the decoder layers of a step (with its LoRA groups); returns the last MLP output", pybind11::arg("x"),

@@ -14,7 +14,7 @@ static torch::Tensor half_scales(const torch::Tensor& t, int64_t n, int64_t nb, 
 // qlinear's A16 half, arguments checked and scales fp16 (qlinear).
 static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wd,
                                const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
-                               int64_t bits) {
+                               int64_t bits, bool wlanes) {
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
   const int64_t qs = qgemm::a16_code_stride(K), ss = qgemm::a16_scale_stride(K);
   auto out = torch::empty({M, N}, x.options());
@@ -29,12 +29,13 @@ static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, 
   float* xsp = xs.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     qgemm::quantize_rows16(xp + b * K, e - b, b, M, K, static_cast<int>(bits), qap + b * qs, qs, sap + b * ss,
-                           xsp + b * ss, ss);
+                           xsp + b * ss, ss, wlanes);
   });
-  const qgemm::QArgs16 a{M, N, K, bits, qap, qs, sap, xsp, ss, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
+  qgemm::QArgs16 a{M, N, K, bits, qap, qs, sap, xsp, ss, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
                          reinterpret_cast<const uint16_t*>(wd.data_ptr()),
                          bits == 4 ? reinterpret_cast<const uint16_t*>(wm->data_ptr()) : nullptr,
                          bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>()};
+  a.wlanes = wlanes;
   // Columns split over threads as in the A8 path; every output's arithmetic is independent of the split.
   at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) { qgemm::gemm16(a, b, e); });
   return out;
@@ -46,9 +47,10 @@ static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, 
 // (bench/RESULTS.md, 2026-11-24). Owners keep it beside wm.
 // act_bits 16: int16 activations, the A16 kernel (qgemm_a16.h, numerics there); wmt is then not read (the A16
 // kernel takes the minimums of eight blocks of a row from wm).
+// wlanes: wq is pack_lanes' copy of 4-bit codes (qgemm_core.h, pack_lanes_q4), for act_bits 16 on the AVX2 path.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm,
                       c10::optional<torch::Tensor> bias, int64_t bits, c10::optional<torch::Tensor> wmt,
-                      int64_t act_bits = 8) {
+                      int64_t act_bits = 8, bool wlanes = false) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be (M, K) fp32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits must be 8 or 16");
@@ -68,7 +70,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be (N,) fp32");
   }
-  if (act_bits == 16) return qlinear16(x, wq, wd, wm, bias, bits);
+  TORCH_CHECK(!wlanes || (bits == 4 && act_bits == 16 && qgemm::isa() == qgemm::kAvx2),
+              "packed weights (wlanes) are 4-bit codes for the A16 kernel's AVX2 path; this process runs ",
+              qgemm::isa_name(qgemm::isa()));
+  if (act_bits == 16) return qlinear16(x, wq, wd, wm, bias, bits, wlanes);
   if (wmt.has_value()) {
     TORCH_CHECK(bits == 4, "wmt is for 4-bit weights only");
     TORCH_CHECK(wmt->dim() == 2 && wmt->size(0) == nb && wmt->size(1) == N && wmt->is_contiguous() &&
@@ -102,13 +107,25 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   return out;
 }
 
+// 4-bit codes (N, K/2) -> a packed copy for qlinear(..., wlanes=true) (qgemm_core.h, pack_lanes_q4).
+torch::Tensor pack_lanes(const torch::Tensor& wq, int64_t K) {
+  TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32");
+  TORCH_CHECK(wq.dim() == 2 && wq.is_contiguous() && wq.scalar_type() == torch::kUInt8 && wq.size(1) == K / 2,
+              "wq must be contiguous (N, K/2) uint8");
+  auto out = torch::empty_like(wq);
+  qgemm::pack_lanes_q4(wq.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), wq.size(0), K);
+  return out;
+}
+
 std::string isa() { return qgemm::isa_name(qgemm::isa()); }
 
 #ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)", py::arg("x"), py::arg("wq"),
         py::arg("wd"), py::arg("wm"), py::arg("bias"), py::arg("bits"), py::arg("wmt") = py::none(),
-        py::arg("act_bits") = 8);
+        py::arg("act_bits") = 8, py::arg("wlanes") = false);
+  m.def("pack_lanes", &pack_lanes, "4-bit codes (N, K/2) packed for qlinear(..., wlanes=True)", py::arg("wq"),
+        py::arg("K"));
   m.def("isa", &isa, "the instruction-set path chosen at run time");
   m.def("flinear", &flinear, "x @ W^T (+ b) in fp32 with one fixed summation order (CPU)", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none());

@@ -173,6 +173,40 @@ static inline void store16(const QArgs16& a, int64_t m, int64_t n, __m256 acc) {
   a.out[m * a.N + n] = v;
 }
 
+// The last, partial group of column n (nb % 8 blocks, the GGUF's natural bytes) for R rows whose activations
+// (xr, sar, xsr) are at that group in the pair layout: d = m = 0 past nb (zero-padded copies) makes the padding
+// lanes add +0. An odd last block's pair is read from a zero-padded copy: the row's bytes end with that block.
+template <int R, bool Q4>
+static inline void rem_group16(const QArgs16& a, int64_t n, const int16_t* const* xr, const float* const* sar,
+                               const float* const* xsr, __m256 acc[R]) {
+  const int64_t nb = a.K / QK, ng = nb / 8, rem = nb % 8;
+  const int64_t pb = Q4 ? QK : 2 * QK;  // bytes a pair
+  const uint8_t* wn = a.wq + n * (Q4 ? a.K / 2 : a.K);
+  const uint16_t* dn = a.wd + n * nb;
+  const uint16_t* mn = Q4 ? a.wm + n * nb : nullptr;
+  // Element by element, not memcpy: a call with a run-time size a column was ~1/8 of a 1-row K = 576 call.
+  alignas(16) uint16_t dt[8], mt[8];
+  for (int b = 0; b < 8; ++b) {
+    dt[b] = b < rem ? dn[8 * ng + b] : uint16_t{0};
+    mt[b] = Q4 && b < rem ? mn[8 * ng + b] : uint16_t{0};
+  }
+  const uint8_t* wg = wn + ng * 4 * pb;
+  Group16 gw{{wg, wg + pb, wg + 2 * pb, wg + 3 * pb}, dt, mt};
+  alignas(32) uint8_t wt[2 * QK];  // (the odd block, zeros): up to one pair
+  const int np = static_cast<int>((rem + 1) / 2);
+  if (rem % 2) {
+    std::memset(wt, 0, sizeof wt);
+    std::memcpy(wt, gw.w[np - 1], pb / 2);
+    gw.w[np - 1] = wt;
+  }
+  switch (np) {
+    case 1: group16<R, 1, Q4>(gw, xr, sar, xsr, acc); break;
+    case 2: group16<R, 2, Q4>(gw, xr, sar, xsr, acc); break;
+    case 3: group16<R, 3, Q4>(gw, xr, sar, xsr, acc); break;
+    default: group16<R, 4, Q4>(gw, xr, sar, xsr, acc); break;
+  }
+}
+
 // Rows m0 .. m0+R-1 of output column n.
 template <int R, bool Q4>
 static inline void micro16(const QArgs16& a, int64_t m0, int64_t n) {
@@ -197,31 +231,7 @@ static inline void micro16(const QArgs16& a, int64_t m0, int64_t n) {
     group16<R, 4, Q4>(gw, xr, sar, xsr, acc);
     for (int r = 0; r < R; ++r) xr[r] += 4 * kPair16, sar[r] += 8, xsr[r] += 8;
   }
-  if (rem) {
-    // The last, partial group: d = m = 0 past nb (zero-padded copies) makes the padding lanes add +0. An odd
-    // last block's pair is read from a zero-padded copy: the row's bytes end with that block.
-    // Element by element, not memcpy: a call with a run-time size a column was ~1/8 of a 1-row K = 576 call.
-    alignas(16) uint16_t dt[8], mt[8];
-    for (int b = 0; b < 8; ++b) {
-      dt[b] = b < rem ? dn[8 * ng + b] : uint16_t{0};
-      mt[b] = Q4 && b < rem ? mn[8 * ng + b] : uint16_t{0};
-    }
-    const uint8_t* wg = wn + ng * 4 * pb;
-    Group16 gw{{wg, wg + pb, wg + 2 * pb, wg + 3 * pb}, dt, mt};
-    alignas(32) uint8_t wt[2 * QK];  // (the odd block, zeros): up to one pair
-    const int np = static_cast<int>((rem + 1) / 2);
-    if (rem % 2) {
-      std::memset(wt, 0, sizeof wt);
-      std::memcpy(wt, gw.w[np - 1], pb / 2);
-      gw.w[np - 1] = wt;
-    }
-    switch (np) {
-      case 1: group16<R, 1, Q4>(gw, xr, sar, xsr, acc); break;
-      case 2: group16<R, 2, Q4>(gw, xr, sar, xsr, acc); break;
-      case 3: group16<R, 3, Q4>(gw, xr, sar, xsr, acc); break;
-      default: group16<R, 4, Q4>(gw, xr, sar, xsr, acc); break;
-    }
-  }
+  if (rem) rem_group16<R, Q4>(a, n, xr, sar, xsr, acc);
   for (int r = 0; r < R; ++r) store16(a, m0 + r, n, acc[r]);
 }
 

@@ -1,6 +1,18 @@
 // Weight columns widened to the A16 lane layout (qgemm_a16_lanes.h describes it), once a call per column, into
 // a thread's panel. Included by qgemm_a16_lanes.h inside the instruction-set namespaces of qgemm_core.h; no STL.
 
+// Vector q lane j = bytes 4q .. 4q + 3 of block j -> its 4 steps of the lane layout at dst + 64 q.
+static inline void widen_lanes_q4(const __m256i d[4], int16_t* dst) {
+  const __m256i nib = _mm256_set1_epi16(0x000F);
+  for (int q = 0; q < 4; ++q) {
+    __m256i* o = reinterpret_cast<__m256i*>(dst + 4 * q * 16);
+    _mm256_store_si256(o, _mm256_and_si256(d[q], nib));                           // lo(4q), lo(4q+2)
+    _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(d[q], 4), nib));  // hi(4q), hi(4q+2)
+    _mm256_store_si256(o + 2, _mm256_and_si256(_mm256_srli_epi16(d[q], 8), nib));  // lo(4q+1), lo(4q+3)
+    _mm256_store_si256(o + 3, _mm256_srli_epi16(d[q], 12));                        // hi(4q+1), hi(4q+3)
+  }
+}
+
 // 8 Q4 blocks (128 bytes) -> 16 steps of the lane layout at dst (256 int16).
 static inline void widen_group_q4(const uint8_t* w, int16_t* dst) {
   __m256i y[4];
@@ -10,14 +22,14 @@ static inline void widen_group_q4(const uint8_t* w, int16_t* dst) {
   const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
   const __m256i d[4] = {lanes_in_order(_mm256_unpacklo_epi64(a, c)), lanes_in_order(_mm256_unpackhi_epi64(a, c)),
                         lanes_in_order(_mm256_unpacklo_epi64(b, e)), lanes_in_order(_mm256_unpackhi_epi64(b, e))};
-  const __m256i nib = _mm256_set1_epi16(0x000F);
-  for (int q = 0; q < 4; ++q) {
-    __m256i* o = reinterpret_cast<__m256i*>(dst + 4 * q * 16);
-    _mm256_store_si256(o, _mm256_and_si256(d[q], nib));                           // lo(4q), lo(4q+2)
-    _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(d[q], 4), nib));  // hi(4q), hi(4q+2)
-    _mm256_store_si256(o + 2, _mm256_and_si256(_mm256_srli_epi16(d[q], 8), nib));  // lo(4q+1), lo(4q+3)
-    _mm256_store_si256(o + 3, _mm256_srli_epi16(d[q], 12));                        // hi(4q+1), hi(4q+3)
-  }
+  widen_lanes_q4(d, dst);
+}
+
+// 8 Q4 blocks packed in lane order (QArgs16::wlanes: the transpose above done once, at load) -> dst.
+static inline void widen_group_q4_packed(const uint8_t* w, int16_t* dst) {
+  __m256i d[4];
+  for (int q = 0; q < 4; ++q) d[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * q));
+  widen_lanes_q4(d, dst);
 }
 
 // 8 Q8 blocks (256 bytes) -> 16 steps of the lane layout at dst (256 int16).
@@ -78,8 +90,12 @@ static void widen_column(const QArgs16& a, const Lanes16& L, int64_t n, char* p)
       std::memcpy(wt, src, (nb - 8 * g) * gb / 8);
       src = wt;
     }
-    if constexpr (Q4) widen_group_q4(src, w + g * kGroup16);
-    else widen_group_q8(src, w + g * kGroup16);
+    if constexpr (Q4) {
+      if (a.wlanes && src != wt) widen_group_q4_packed(src, w + g * kGroup16);  // a full group: packed
+      else widen_group_q4(src, w + g * kGroup16);
+    } else {
+      widen_group_q8(src, w + g * kGroup16);
+    }
   }
   if (L.span) {  // the span group, from each tail block's codes in natural order
     const int64_t first = 8 * L.ngl;

@@ -57,7 +57,26 @@ struct QArgs16 {
   const uint16_t* wm;  // (N, K/32) fp16 bits (bits 4), else null
   const float* bias;   // (N,) or null
   float* out;          // (M, N)
+  bool wlanes = false; // bits 4: wq's full groups of 8 blocks in lane order (pack_lanes_q4); the AVX2 path only
 };
+
+// 4-bit codes (N, K/2) in GGUF order -> the same bytes with each full group of 8 blocks (128 bytes) packed in
+// lane order for the AVX2 A16 kernel (QArgs16::wlanes): byte 32 q + 4 j + t of a group is byte 4 q + t of its
+// block j (q < 4, j < 8, t < 4), the 32-bit transpose the lane kernel otherwise does on every call
+// (qgemm_a16_widen.h).
+// The last K/32 % 8 blocks of a row keep their bytes. Done once, when a model's weights are loaded.
+static inline void pack_lanes_q4(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
+  const int64_t row = K / 2, full = K / 32 / 8;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* s = src + n * row;
+    uint8_t* d = dst + n * row;
+    std::memcpy(d, s, static_cast<size_t>(row));
+    for (int64_t g = 0; g < full; ++g)
+      for (int q = 0; q < 4; ++q)
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) d[g * 128 + 32 * q + 4 * j + t] = s[g * 128 + 16 * j + 4 * q + t];
+  }
+}
 
 // The A16 activation codes' bound (numerics 1, qgemm_a16.h): 12-bit codes in int16, so that on AMX a Q4 block's
 // code c = 16 h + l (l = c & 15, h = c >> 4 a signed byte) meets the weights w and 16 w (both bytes) in one tile
@@ -68,6 +87,13 @@ static constexpr float kCodeMax = 2047.0f;
 static inline int64_t a16_code_stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }
 // From this many rows the A16 SIMD kernel runs its lane layout (qgemm_a16_lanes.h), below it the pair layout (qgemm_a16.h).
 static constexpr int64_t kLaneRows = 4;
+#ifndef QG_PACKED_ROWS
+#define QG_PACKED_ROWS 12
+#endif
+// Below this many rows the AVX2 A16 kernel runs packed weights (QArgs16::wlanes) in row tiles of 3, widening them
+// in registers (qgemm_a16_packed.h); from it in the lane kernel's L2 panel, which is faster from 12-15 rows on
+// (Zen 1, bench/qgemm16_harness.cpp: packed 1.2x at 6 rows, 1.0x at 12, 0.8-0.9x at 64-512).
+static constexpr int64_t kPackedRows = QG_PACKED_ROWS;
 // From this many rows the A16 kernel runs on AMX tiles where amx_on() (below): a part-filled tile costs about
 // its rows, and from 4 rows the tiles beat the 512-bit lane loop (M = 8: 1.6-1.75x; bench/RESULTS.md).
 static constexpr int64_t kAmxRows = 4;
@@ -306,9 +332,12 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
 // A16 activations: the pair or lane layout for `bits` on the SIMD paths, natural order on the scalar one (qgemm_a16.h),
 // AMX's tiles (qgemm_a16_amx.h). Rows r0 .. r0+rows-1 of a call of M rows (M picks the layout): x, q, sa and xsum
 // point at row r0 (the AMX tiles place a row by its index in the call).
+// wlanes: the call's weights are packed (QArgs16::wlanes), which only the AVX2 path takes (qlinear checks).
 static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M, int64_t K, int bits, int16_t* q,
-                            int64_t qs, float* sa, float* xsum, int64_t ss) {
+                            int64_t qs, float* sa, float* xsum, int64_t ss, bool wlanes = false) {
   const bool lanes = M >= kLaneRows;
+  if (wlanes && M < kPackedRows && isa() == kAvx2)
+    return avx2::quantize_rows16_packed(x, rows, K, q, qs, sa, xsum, ss);
   if (M >= kAmxRows && amx_on())
     return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss, bits == 4);
   switch (isa()) {

@@ -23,6 +23,7 @@ constexpr auto kHalf = at::kHalf;
 constexpr auto kFloat16 = at::kHalf;
 constexpr auto kFloat32 = at::kFloat;
 constexpr auto kBFloat16 = at::kBFloat16;
+constexpr auto kUInt8 = at::kByte;
 constexpr auto kInt8 = at::kChar;
 constexpr auto kInt16 = at::kShort;
 constexpr auto kInt32 = at::kInt;

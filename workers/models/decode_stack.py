@@ -30,15 +30,15 @@ from kernels_cupy.interface import AttentionMetadata
 from workers.models.linear import BlockLinear, DenseLinear
 
 
-def _linear_spec(m: nn.Module) -> tuple[int, int, list[torch.Tensor | None]] | None:
-    """(bits, act_bits, [codes, d, m, mt, bias, dense]) for the C++ side, or None where it cannot run the layer
+def _linear_spec(m: nn.Module) -> tuple[int, int, bool, list[torch.Tensor | None]] | None:
+    """(bits, act_bits, wlanes, [codes, d, m, mt, bias, dense]) for the C++ side, or None where it cannot run the layer
     as the module path does (a BlockLinear without its kernel, a plain nn.Linear: torch's BLAS, whose
     arithmetic the stack does not reproduce)."""
     if isinstance(m, BlockLinear) and m.dense is None:
-        return m.bits, m.act_bits, [m.codes, m.d, m.m, m.mt, m.bias, None]
+        return m.bits, m.act_bits, m.wlanes, [m.codes, m.d, m.m, m.mt, m.bias, None]
     if isinstance(m, DenseLinear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
         bias = None if m.bias is None else m.bias.detach()
-        return 0, 16, [None, None, None, None, bias, m.weight.detach()]
+        return 0, 16, False, [None, None, None, None, bias, m.weight.detach()]
     return None
 
 
@@ -83,6 +83,7 @@ class DecodeStack:
         tensors: list[torch.Tensor | None] = []
         bits: list[int] = []
         act_bits: list[int] = []
+        wlanes: list[int] = []
         for layer in layers:
             norms, projs = _parts(layer)
             tensors += [w.detach() for w in norms]
@@ -92,8 +93,9 @@ class DecodeStack:
                     raise ValueError(f"no decode-stack path for {type(proj).__name__}")
                 bits.append(spec[0])
                 act_bits.append(spec[1])
-                tensors += spec[2]
-        self._stack = kernel.Stack(tensors, bits, act_bits, hq, hkv, head_dim, eps)
+                wlanes.append(int(spec[2]))
+                tensors += spec[3]
+        self._stack = kernel.Stack(tensors, bits, act_bits, wlanes, hq, hkv, head_dim, eps)
         self._kernel = kernel
         self._num_layers = len(layers)
         self.scale = head_dim ** -0.5

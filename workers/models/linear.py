@@ -74,7 +74,7 @@ class BlockLinear(nn.Module):
     """y = x @ W^T (+ b) with W in blocks of 32; activations are quantized per row and block inside the
     kernel (12-bit codes by default, 8-bit in the ``-a8`` modes)."""
 
-    codes: torch.Tensor  # (out, in/2) uint8 or (out, in) int8
+    codes: torch.Tensor  # (out, in/2) uint8 or (out, in) int8; packed in lane order where wlanes
     d: torch.Tensor  # (out, in/32) fp16: a decode step is bound by bytes read, and GGUF's scales are fp16
     m: torch.Tensor | None  # (out, in/32) fp16, 4-bit only
     mt: torch.Tensor | None  # (in/32, out) fp16, m transposed: 4-bit weights with 8-bit activations only
@@ -87,7 +87,14 @@ class BlockLinear(nn.Module):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self.bits, self.act_bits = w.bits, act_bits
         self.out_features, self.in_features = w.shape
-        self.register_buffer("codes", w.codes)
+        # 4-bit codes on the A16 kernel's AVX2 path are packed once here (qgemm_core.h, pack_lanes_q4): a decode
+        # call then widens each weight group without transposing it first (Zen 1, a model's 120 linears from
+        # memory: one row 1.1x, two 1.2x, three 1.3x; bench/RESULTS.md). The same results; only that path reads it.
+        self.wlanes = act_bits == 16 and w.bits == 4 and kernel_isa(kernel) == "avx2"
+        codes = w.codes
+        if self.wlanes and kernel is not None:
+            codes = kernel.pack_lanes(codes.contiguous(), self.in_features)
+        self.register_buffer("codes", codes)
         # fp16 is exact: BlockWeight scales are fp16-representable (quant.py).
         self.register_buffer("d", w.d.half())
         self.register_buffer("m", None if w.m is None else w.m.half())
@@ -100,19 +107,16 @@ class BlockLinear(nn.Module):
         # Without the kernel: the reference, fp32 weights de-quantized once.
         self.register_buffer("dense", None if kernel is not None else dequantize(w))
 
-    def block_weight(self) -> BlockWeight:
-        return BlockWeight(self.bits, self.codes, self.d.float(), None if self.m is None else self.m.float())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out) fp32
         if self.dense is not None:
             return F.linear(x, self.dense, self.bias)
         out: torch.Tensor = self._kernel.qlinear(x.float(), self.codes, self.d, self.m, self.bias, self.bits,
-                                                 self.mt, self.act_bits)
+                                                 self.mt, self.act_bits, self.wlanes)
         return out
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, act_bits={self.act_bits}, "
-                f"kernel={self.dense is None}")
+                f"kernel={self.dense is None}, packed={self.wlanes}")
 
 
 def kernel_isa(kernel: Any | None) -> str:
