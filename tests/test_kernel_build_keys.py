@@ -1,14 +1,16 @@
 """Each C++ kernel's build key covers every file its build reads.
 
-A build is found again by a digest of the files it is given (``build.build_key``). A header that a source
-includes but that is missing from its kernel's file list would not be in the digest: after that header changed,
-a worker would load the old binary, built from the old header, without a word. The lists are kept by hand, so
-this reads the ``#include "..."`` lines and checks each list holds what its source reaches.
+A build is found again by a digest of the files it is given (``build.build_key``); ``kernels_cupy.cpu.sources``
+derives those lists from the ``#include "..."`` lines. The check here is independent of that reader: the
+compiler's own dependency list (``g++ -MM``, with torch's and Python's headers as system headers, so that only ours
+are listed) must be part of each kernel's list.
 """
 
 from __future__ import annotations
 
-import re
+import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -16,42 +18,45 @@ import pytest
 from kernels_cupy.cpu import paged_decode_files
 from kernels_cupy.cpu.fused import fused_files
 from kernels_cupy.cpu.qgemm import qgemm_files
+from kernels_cupy.cpu.sources import build_files, includes
 
 _DIR = Path(paged_decode_files()[0]).parent
-_QUOTED = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
-def reached(source: Path) -> set[Path]:
-    """Every file of ours ``source`` includes, directly or through another, itself excluded."""
-    seen: set[Path] = set()
-    todo = [source]
-    while todo:
-        for name in _QUOTED.findall(todo.pop().read_text()):
-            path = (_DIR / name).resolve()
-            assert path.is_file(), f"{name} is included but is not in {_DIR}"
-            if path not in seen:
-                seen.add(path)
-                todo.append(path)
-    seen.discard(source.resolve())
-    return seen
+def compiler_reads(source: Path) -> set[Path]:
+    """Our files the preprocessor opens for ``source`` (its own #if's decided as in a build on this machine)."""
+    from torch.utils.cpp_extension import include_paths
+
+    system = [f for p in [*include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)]
+    out = subprocess.run(["g++", "-std=c++17", "-MM", "-DTORCH_EXTENSION_NAME=x", *system, str(source)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    paths = [w for w in out.replace("\\\n", " ").split()[1:]]
+    return {Path(p).resolve() for p in paths if Path(p).resolve().parent == _DIR.resolve()}
 
 
 def stack_files() -> list[Path]:
-    # decode_stack.cpp compiles the three kernels' sources in one unit; stack.py keys it by their three lists.
-    return [_DIR / "decode_stack.cpp", *qgemm_files(), *paged_decode_files(), *fused_files()]
+    return build_files(_DIR / "decode_stack.cpp")  # as kernels_cupy/cpu/stack.py builds it
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: no kernel is built either")
 @pytest.mark.parametrize("files", [qgemm_files, paged_decode_files, fused_files, stack_files],
                          ids=["qgemm", "paged_decode", "fused_ops", "decode_stack"])
-def test_the_key_lists_every_file_the_source_includes(files) -> None:  # type: ignore[no-untyped-def]
-    source, *rest = files()
-    listed = {p.resolve() for p in rest}
-    missing = sorted(p.name for p in reached(source) - listed)
-    assert not missing, f"{source.name} includes {missing}, which its build key does not read"
+def test_the_key_lists_every_file_the_compiler_reads(files) -> None:  # type: ignore[no-untyped-def]
+    source, *_ = files()
+    listed = {p.resolve() for p in files()}
+    read = compiler_reads(source)
+    assert source.resolve() in read and len(read) > 2, read  # the oracle sees the source and its headers
+    missing = sorted(p.name for p in read - listed)
+    assert not missing, f"{source.name} reads {missing}, which its build key does not"
 
 
-def test_the_reader_follows_includes_through_other_files() -> None:
-    """The check itself: decode_stack.cpp reaches torch_api.h only through the sources it includes."""
-    assert (_DIR / "torch_api.h").resolve() in reached(_DIR / "qgemm.cpp")
-    assert (_DIR / "torch_api.h").resolve() in reached(_DIR / "decode_stack.cpp")
-    assert (_DIR / "simd_exp.h").resolve() in reached(_DIR / "fused_ops.cpp")
+def test_the_reader_follows_includes_through_other_files(tmp_path: Path) -> None:
+    """Nested and conditional includes are followed, each file once; a missing header is an error, not a gap."""
+    (tmp_path / "a.cpp").write_text('#include "b.h"\n#if X\n  #include "c.h"\n#endif\n#include <vector>\n')
+    (tmp_path / "b.h").write_text('#pragma once\n#include "c.h"\n// #include "commented.h"\n')
+    (tmp_path / "c.h").write_text('#include "b.h"\n')
+    assert [p.name for p in includes(tmp_path / "a.cpp")] == ["b.h", "c.h"]
+    (tmp_path / "c.h").write_text('#include "gone.h"\n')
+    with pytest.raises(FileNotFoundError, match="gone.h"):
+        includes(tmp_path / "a.cpp")
+    assert (_DIR / "torch_api.h") in includes(_DIR / "decode_stack.cpp")  # through qgemm.cpp, not directly

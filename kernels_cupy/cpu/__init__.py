@@ -14,14 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kernels_cupy.cpu.sources import build_files
+
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("paged_decode.cpp")
 
 
 def paged_decode_files() -> list[Path]:
-    """The attention kernel's source, then the headers it includes (its build key; the decode stack's too)."""
-    return [_SRC, *(_SRC.with_name(h) for h in ("paged_decode_avx2.h", "paged_decode_avx512.h", "simd_exp.h",
-                                                 "kv_write.h", "torch_api.h"))]
+    """The attention kernel's source, then every header it includes (its build key)."""
+    return build_files(_SRC)
 
 
 @functools.lru_cache(maxsize=1)

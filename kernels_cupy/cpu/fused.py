@@ -10,13 +10,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kernels_cupy.cpu.sources import build_files
+
 log = logging.getLogger(__name__)
 
 
 def fused_files() -> list[Path]:
-    """The fused ops' source, then the headers it includes (its build key; the decode stack's too)."""
-    here = Path(__file__)
-    return [here.with_name("fused_ops.cpp"), here.with_name("simd_exp.h"), here.with_name("torch_api.h")]
+    """The fused ops' source, then every header it includes (its build key)."""
+    return build_files(Path(__file__).with_name("fused_ops.cpp"))
 
 
 @functools.lru_cache(maxsize=1)

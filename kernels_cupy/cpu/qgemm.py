@@ -13,14 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kernels_cupy.cpu.sources import build_files
+
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 
 
 def qgemm_files() -> list[Path]:
-    """The GEMM's source, then every header it includes (its build key; the decode stack's too)."""
-    return [_DIR / "qgemm.cpp", *sorted(_DIR.glob("qgemm*.h")), _DIR / "fgemm.h", _DIR / "lora_add.h",
-            _DIR / "torch_api.h"]
+    """The GEMM's source, then every header it includes (its build key)."""
+    return build_files(_DIR / "qgemm.cpp")
 
 
 @functools.lru_cache(maxsize=1)
