@@ -1,7 +1,7 @@
 // The A16 block-quantized GEMM (kernels_cupy/cpu/qgemm_core.h) alone, torch-free, one thread: for SmolLM2's
 // linear shapes and a range of M, the run-time path's output against the scalar reference (bit for bit: "ok"
-// or "MISMATCH") and the fastest of repeated calls (activation quantization included), in GMAC/s; for 4-bit weights on
-// the AVX2 path also the same call on the codes packed as a model's are (pack_lanes_q4, QArgs16::wlanes).
+// or "MISMATCH") and the fastest of repeated calls (activation quantization included), in GMAC/s; on the AVX2 path
+// also the same call on the codes packed as a model's are (pack_lanes_q4 / _q8, QArgs16::wlanes).
 // Compiling it against two trees' headers times two versions of the kernel in one sitting:
 //   g++ -O3 -ffp-contract=off -std=c++17 -Ikernels_cupy/cpu bench/qgemm16_harness.cpp -o /tmp/h16_new
 //   mkdir -p /tmp/old && for f in $(git ls-tree --name-only <rev> kernels_cupy/cpu/ | grep '/qgemm.*\.h$'); do
@@ -49,9 +49,11 @@ int main(int argc, char** argv) {
       scalar::quantize_rows16(x.data(), M, K, q0.data(), qs, sa0.data(), xs0.data(), ss);
       scalar::gemm16(QArgs16{M, N, K, bits, q0.data(), qs, sa0.data(), xs0.data(), ss, wq.data(), wd.data(), wmp,
                              nullptr, ref.data()}, 0, N);
-      const bool packable = bits == 4 && isa() == kAvx2;
+      const bool packable = isa() == kAvx2;
       std::vector<uint8_t> wp(wq.size());
-      if (packable) pack_lanes_q4(wq.data(), wp.data(), N, K);
+      if (packable && bits == 4) pack_lanes_q4(wq.data(), wp.data(), N, K);
+      if (packable && bits == 8)
+        pack_lanes_q8(reinterpret_cast<const int8_t*>(wq.data()), reinterpret_cast<int8_t*>(wp.data()), N, K);
       auto run = [&](bool packed) {
         quantize_rows16(x.data(), M, 0, M, K, bits, q.data(), qs, sa.data(), xs.data(), ss, packed);
         QArgs16 a{M, N, K, bits, q.data(), qs, sa.data(), xs.data(), ss, packed ? wp.data() : wq.data(), wd.data(),

@@ -158,26 +158,26 @@ mod = load_qgemm()
 g = torch.Generator().manual_seed(1)
 outs = []
 # K of 1 to 26 blocks: no full group, full groups only (8, 16, 24), and every tail of 1 to 7 blocks (the packed
-# tail's one-pair and reduced paths, odd tails on the last column: the zero-padded copy); M 1 to 11 (the packed
-# kernel's row tiles of 3, then 2 or 1) and 12, 16 (the lane kernel widening packed groups); 37 columns (odd: a last
-# single column).
-for nb in range(1, 27):
+# tail's one-pair and reduced paths, odd tails on the last column: the zero-padded copy); 4- and 8-bit codes; M 1 to
+# 11 (the packed kernel's row tiles of 3, then 2 or 1), 12 to 23 (Q4: the lane kernel widening packed groups; Q8:
+# still row tiles) and 24 (both: the lane kernel); 37 columns (odd: a last single column).
+for bits, nb in [(b, n) for b in (4, 8) for n in range(1, 27)]:
     k = 32 * nb
-    w = quantize(torch.randn(37, k, generator=g) * 0.1, 4)
+    w = quantize(torch.randn(37, k, generator=g) * 0.1, bits)
     packed = mod.pack_lanes(w.codes, k)
     bias = torch.randn(37, generator=g)
-    for m in (1, 2, 3, 4, 5, 7, 11, 12, 16):
+    for m in (1, 2, 3, 4, 5, 7, 11, 12, 16, 23, 24):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
         x[0, :32] = 0.0
-        plain = mod.qlinear(x, w.codes, w.d, w.m, bias, 4, None, 16)
+        plain = mod.qlinear(x, w.codes, w.d, w.m, bias, bits, None, 16)
         if mod.isa() == "avx2":
-            got = mod.qlinear(x, packed, w.d, w.m, bias, 4, None, 16, True)
+            got = mod.qlinear(x, packed, w.d, w.m, bias, bits, None, 16, True)
             if not torch.equal(got, plain):
-                sys.exit(f"packed != plain: K {k}, M {m}")
+                sys.exit(f"packed != plain: bits {bits}, K {k}, M {m}")
             outs.append(got.flatten())
         else:
             try:
-                mod.qlinear(x, packed, w.d, w.m, bias, 4, None, 16, True)
+                mod.qlinear(x, packed, w.d, w.m, bias, bits, None, 16, True)
                 sys.exit("packed weights were accepted off the AVX2 path")
             except RuntimeError as e:
                 assert "wlanes" in str(e), e
@@ -188,8 +188,8 @@ print(mod.isa())
 
 
 def test_packed_weights_give_the_same_bits(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """4-bit codes packed in lane order (``pack_lanes``, the AVX2 path's layout for a model's weights) give the bits
-    of the GGUF's own order on that path, and so the scalar reference's; other paths refuse them."""
+    """Codes packed in lane order (``pack_lanes``, the AVX2 path's layout for a model's weights) give the bits of
+    the GGUF's own order on that path, and so the scalar reference's; other paths refuse them."""
     results = results_per_isa(_PACKED_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2"), tmp_path)
     if "avx2" not in results:
         pytest.skip("this CPU has no AVX2 path")
@@ -197,7 +197,7 @@ def test_packed_weights_give_the_same_bits(kernel, tmp_path) -> None:  # type: i
 
 
 def test_pack_lanes_moves_bytes_within_full_groups(kernel) -> None:  # type: ignore[no-untyped-def]
-    """Byte 32 q + 4 j + t of a full group is byte 4 q + t of its block j; the tail blocks keep their bytes."""
+    """4-bit: byte 32 q + 4 j + t of a full group is byte 4 q + t of its block j; the tail blocks keep their bytes."""
     n, k = 3, 32 * 19  # two full groups and a 3-block tail
     codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     packed = kernel.pack_lanes(codes, k)
@@ -209,3 +209,13 @@ def test_pack_lanes_moves_bytes_within_full_groups(kernel) -> None:  # type: ign
     assert torch.equal(packed[:, 256:], codes[:, 256:])
     with pytest.raises(RuntimeError, match="uint8"):
         kernel.pack_lanes(codes.to(torch.int8), k)
+    # 8-bit: byte 16 s + 2 j + h of a full group is byte 4 (s // 2) + 2 h + s % 2 of its block j
+    codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    packed8 = kernel.pack_lanes(codes8, k)
+    for g in range(2):
+        for s in range(16):
+            for j in range(8):
+                for h in range(2):
+                    got, want = g * 256 + 16 * s + 2 * j + h, g * 256 + 32 * j + 4 * (s // 2) + 2 * h + s % 2
+                    assert torch.equal(packed8[:, got], codes8[:, want])
+    assert torch.equal(packed8[:, 512:], codes8[:, 512:])

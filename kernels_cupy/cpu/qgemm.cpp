@@ -70,8 +70,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be (N,) fp32");
   }
-  TORCH_CHECK(!wlanes || (bits == 4 && act_bits == 16 && qgemm::isa() == qgemm::kAvx2),
-              "packed weights (wlanes) are 4-bit codes for the A16 kernel's AVX2 path; this process runs ",
+  TORCH_CHECK(!wlanes || (act_bits == 16 && qgemm::isa() == qgemm::kAvx2),
+              "packed weights (wlanes) are for the A16 kernel's AVX2 path; this process runs ",
               qgemm::isa_name(qgemm::isa()));
   if (act_bits == 16) return qlinear16(x, wq, wd, wm, bias, bits, wlanes);
   if (wmt.has_value()) {
@@ -107,13 +107,17 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
   return out;
 }
 
-// 4-bit codes (N, K/2) -> a packed copy for qlinear(..., wlanes=true) (qgemm_core.h, pack_lanes_q4).
+// Block codes -> a packed copy for qlinear(..., wlanes=true) (qgemm_core.h, pack_lanes_q4 / pack_lanes_q8):
+// 4-bit (N, K/2) uint8 or 8-bit (N, K) int8, as BlockWeight holds them.
 torch::Tensor pack_lanes(const torch::Tensor& wq, int64_t K) {
   TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32");
-  TORCH_CHECK(wq.dim() == 2 && wq.is_contiguous() && wq.scalar_type() == torch::kUInt8 && wq.size(1) == K / 2,
-              "wq must be contiguous (N, K/2) uint8");
+  TORCH_CHECK(wq.dim() == 2 && wq.is_contiguous(), "wq must be contiguous (N, K/2) uint8 or (N, K) int8");
+  const bool q4 = wq.scalar_type() == torch::kUInt8 && wq.size(1) == K / 2;
+  const bool q8 = wq.scalar_type() == torch::kInt8 && wq.size(1) == K;
+  TORCH_CHECK(q4 || q8, "wq must be contiguous (N, K/2) uint8 or (N, K) int8");
   auto out = torch::empty_like(wq);
-  qgemm::pack_lanes_q4(wq.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), wq.size(0), K);
+  if (q4) qgemm::pack_lanes_q4(wq.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), wq.size(0), K);
+  else qgemm::pack_lanes_q8(wq.data_ptr<int8_t>(), out.data_ptr<int8_t>(), wq.size(0), K);
   return out;
 }
 
@@ -124,7 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)", py::arg("x"), py::arg("wq"),
         py::arg("wd"), py::arg("wm"), py::arg("bias"), py::arg("bits"), py::arg("wmt") = py::none(),
         py::arg("act_bits") = 8, py::arg("wlanes") = false);
-  m.def("pack_lanes", &pack_lanes, "4-bit codes (N, K/2) packed for qlinear(..., wlanes=True)", py::arg("wq"),
+  m.def("pack_lanes", &pack_lanes, "block codes packed for qlinear(..., wlanes=True)", py::arg("wq"),
         py::arg("K"));
   m.def("isa", &isa, "the instruction-set path chosen at run time");
   m.def("flinear", &flinear, "x @ W^T (+ b) in fp32 with one fixed summation order (CPU)", py::arg("x"),

@@ -277,7 +277,7 @@ static void gemm16_lanes(const QArgs16& a, int64_t n0, int64_t n1) {
 }
 
 // --- Entry points: the pair layout below kLaneRows rows, the lane layout from there; on AVX2, packed 4-bit
-// weights (QArgs16::wlanes) below kPackedRows rows in qgemm_a16_packed.h's row tiles. ---
+// weights (QArgs16::wlanes) below kPackedRows (Q8: kPackedRows8) rows in qgemm_a16_packed.h's row tiles. ---
 
 #if !QG_VNNI
 #include "qgemm_a16_packed.h"
@@ -285,7 +285,7 @@ static void gemm16_lanes(const QArgs16& a, int64_t n0, int64_t n1) {
 
 static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
 #if !QG_VNNI
-  if (a.wlanes && a.M < kPackedRows) return gemm16_packed(a, n0, n1);
+  if (a.wlanes && packed_rows_call(a.M, a.bits)) return gemm16_packed(a, n0, n1);
 #endif
   if (a.M < kLaneRows) {
     if (a.bits == 4) gemm16_pairs<true>(a, n0, n1);

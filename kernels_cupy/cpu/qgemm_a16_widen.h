@@ -32,6 +32,13 @@ static inline void widen_group_q4_packed(const uint8_t* w, int16_t* dst) {
   widen_lanes_q4(d, dst);
 }
 
+// 8 Q8 blocks packed in lane order (pack_lanes_q8: 16 steps of 16 bytes) -> dst.
+static inline void widen_group_q8_packed(const uint8_t* w, int16_t* dst) {
+  for (int st = 0; st < 16; ++st)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * st),
+                       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * st))));
+}
+
 // 8 Q8 blocks (256 bytes) -> 16 steps of the lane layout at dst (256 int16).
 static inline void widen_group_q8(const uint8_t* w, int16_t* dst) {
   __m256i y[8], t[8], u[8];
@@ -94,7 +101,8 @@ static void widen_column(const QArgs16& a, const Lanes16& L, int64_t n, char* p)
       if (a.wlanes && src != wt) widen_group_q4_packed(src, w + g * kGroup16);  // a full group: packed
       else widen_group_q4(src, w + g * kGroup16);
     } else {
-      widen_group_q8(src, w + g * kGroup16);
+      if (a.wlanes && src != wt) widen_group_q8_packed(src, w + g * kGroup16);
+      else widen_group_q8(src, w + g * kGroup16);
     }
   }
   if (L.span) {  // the span group, from each tail block's codes in natural order

@@ -57,7 +57,7 @@ struct QArgs16 {
   const uint16_t* wm;  // (N, K/32) fp16 bits (bits 4), else null
   const float* bias;   // (N,) or null
   float* out;          // (M, N)
-  bool wlanes = false; // bits 4: wq's full groups of 8 blocks in lane order (pack_lanes_q4); the AVX2 path only
+  bool wlanes = false; // wq's full groups of 8 blocks in lane order (pack_lanes_q4 / _q8); the AVX2 path only
 };
 
 // 4-bit codes (N, K/2) in GGUF order -> the same bytes with each full group of 8 blocks (128 bytes) packed in
@@ -78,6 +78,23 @@ static inline void pack_lanes_q4(const uint8_t* src, uint8_t* dst, int64_t N, in
   }
 }
 
+// 8-bit codes (N, K) likewise, each full group's 256 bytes as the lane layout's 16 steps (qgemm_a16_lanes.h,
+// e(s, h) = 4 (s / 2) + 2 h + s % 2 for Q8), so that a step is 16 bytes that sign-extend to its 16 int16 words:
+// byte 16 s + 2 j + h of a group is byte e(s, h) of its block j (s < 16, j < 8, h < 2).
+static inline void pack_lanes_q8(const int8_t* src, int8_t* dst, int64_t N, int64_t K) {
+  const int64_t full = K / 32 / 8;
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t* s = src + n * K;
+    int8_t* d = dst + n * K;
+    std::memcpy(d, s, static_cast<size_t>(K));
+    for (int64_t g = 0; g < full; ++g)
+      for (int st = 0; st < 16; ++st)
+        for (int j = 0; j < 8; ++j)
+          for (int h = 0; h < 2; ++h)
+            d[g * 256 + 16 * st + 2 * j + h] = s[g * 256 + 32 * j + 4 * (st / 2) + 2 * h + st % 2];
+  }
+}
+
 // The A16 activation codes' bound (numerics 1, qgemm_a16.h): 12-bit codes in int16, so that on AMX a Q4 block's
 // code c = 16 h + l (l = c & 15, h = c >> 4 a signed byte) meets the weights w and 16 w (both bytes) in one tile
 // product of 64 bytes (qgemm_a16_amx.h).
@@ -90,10 +107,16 @@ static constexpr int64_t kLaneRows = 4;
 #ifndef QG_PACKED_ROWS
 #define QG_PACKED_ROWS 12
 #endif
+#ifndef QG_PACKED_ROWS8
+#define QG_PACKED_ROWS8 24
+#endif
 // Below this many rows the AVX2 A16 kernel runs packed weights (QArgs16::wlanes) in row tiles of 3, widening them
-// in registers (qgemm_a16_packed.h); from it in the lane kernel's L2 panel, which is faster from 12-15 rows on
-// (Zen 1, bench/qgemm16_harness.cpp: packed 1.2x at 6 rows, 1.0x at 12, 0.8-0.9x at 64-512).
+// in registers (qgemm_a16_packed.h); from it in the lane kernel's L2 panel, which is faster from there on (Zen 1,
+// bench/qgemm16_harness.cpp with the threshold lifted: Q4 packed 1.2x at 6 rows, 1.0x at 12, 0.8-0.9x at 64-512;
+// Q8, whose panel widening transposes more, 1.03-1.13x at 16 rows, 1.0x at 32).
 static constexpr int64_t kPackedRows = QG_PACKED_ROWS;
+static constexpr int64_t kPackedRows8 = QG_PACKED_ROWS8;
+static inline bool packed_rows_call(int64_t M, int64_t bits) { return M < (bits == 4 ? kPackedRows : kPackedRows8); }
 // From this many rows the A16 kernel runs on AMX tiles where amx_on() (below): a part-filled tile costs about
 // its rows, and from 4 rows the tiles beat the 512-bit lane loop (M = 8: 1.6-1.75x; bench/RESULTS.md).
 static constexpr int64_t kAmxRows = 4;
@@ -336,8 +359,8 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
 static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M, int64_t K, int bits, int16_t* q,
                             int64_t qs, float* sa, float* xsum, int64_t ss, bool wlanes = false) {
   const bool lanes = M >= kLaneRows;
-  if (wlanes && M < kPackedRows && isa() == kAvx2)
-    return avx2::quantize_rows16_packed(x, rows, K, q, qs, sa, xsum, ss);
+  if (wlanes && packed_rows_call(M, bits) && isa() == kAvx2)
+    return avx2::quantize_rows16_packed(x, rows, K, bits, q, qs, sa, xsum, ss);
   if (M >= kAmxRows && amx_on())
     return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss, bits == 4);
   switch (isa()) {

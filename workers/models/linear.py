@@ -87,10 +87,11 @@ class BlockLinear(nn.Module):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self.bits, self.act_bits = w.bits, act_bits
         self.out_features, self.in_features = w.shape
-        # 4-bit codes on the A16 kernel's AVX2 path are packed once here (qgemm_core.h, pack_lanes_q4): a decode
-        # call then widens each weight group without transposing it first (Zen 1, a model's 120 linears from
-        # memory: one row 1.1x, two 1.2x, three 1.3x; bench/RESULTS.md). The same results; only that path reads it.
-        self.wlanes = act_bits == 16 and w.bits == 4 and kernel_isa(kernel) == "avx2"
+        # Codes on the A16 kernel's AVX2 path are packed once here (qgemm_core.h, pack_lanes_q4 / _q8): a decode
+        # call then widens each weight group without transposing it first (Zen 1, a model's 120 4-bit linears
+        # from memory: one row 1.16x, two 1.23x, three 1.29x; bench/RESULTS.md). The same results; only that
+        # path reads them.
+        self.wlanes = act_bits == 16 and kernel_isa(kernel) == "avx2"
         codes = w.codes
         if self.wlanes and kernel is not None:
             codes = kernel.pack_lanes(codes.contiguous(), self.in_features)
