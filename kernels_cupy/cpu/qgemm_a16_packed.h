@@ -99,9 +99,9 @@ static inline void packed_tail(const QArgs16& a, int64_t m0, int64_t n, __m256 a
 
 // Columns a tile: one. Two (the rows' activation steps loaded once for both) ran a one-row call up to 1.09x faster
 // with the weights in cache, but from memory, where decode reads them, two columns' interleaved streams were
-// slower: the head (Q8, 49,152 x 576) at one row 0.81x of the GGUF order against 1.13x with one
-// column; a model's 4-bit linears 1.05x against 1.15x. A software prefetch 12 KB ahead changed neither by more than
-// the noise (Zen 1, 2 threads, /tmp A/B scripts).
+// slower: the head (Q8, 49,152 x 576) at one row 0.81x of the GGUF order against 1.13x with one column, a model's
+// 4-bit linears 1.05x against 1.15x. A software prefetch 12 KB ahead moved neither by more than the noise (Zen 1,
+// 2 threads, /tmp A/B scripts; bench/RESULTS.md).
 #ifndef QG_PACKED_COLS
 #define QG_PACKED_COLS 1
 #endif
@@ -124,7 +124,7 @@ static inline void packed_steps(const uint8_t* group, int q, __m256i w[4]) {
   }
 }
 
-// R rows against packed columns n0 .. n0 + C - 1.
+// R rows (from m0) against packed columns n0 .. n0 + C - 1.
 template <int R, int C, bool Q4>
 static inline void packed_tile(const QArgs16& a, int64_t m0, int64_t n0) {
   const int64_t nb = a.K / QK, ngf = nb / 8, row_bytes = Q4 ? a.K / 2 : a.K, group_bytes = Q4 ? 4 * QK : 8 * QK;
