@@ -30,7 +30,7 @@ def compiler_reads(source: Path) -> set[Path]:
     system = [f for p in [*include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)]
     out = subprocess.run(["g++", "-std=c++17", "-MM", "-DTORCH_EXTENSION_NAME=x", *system, str(source)],
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    paths = [w for w in out.replace("\\\n", " ").split()[1:]]
+    paths = out.replace("\\\n", " ").split()[1:]  # after "qgemm.o:"
     return {Path(p).resolve() for p in paths if Path(p).resolve().parent == _DIR.resolve()}
 
 

@@ -76,6 +76,19 @@ static inline __m256i lanes_in_order(__m256i a) {
   return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// A full group's e(s, h) for `bits` (computed once a call) and the placing of a block's codes in the lane layout.
+struct LaneElems {
+  int e[16][2];
+  explicit LaneElems(int bits) {
+    for (int st = 0; st < 16; ++st) e[st][0] = lane_elem(bits, st, 0), e[st][1] = lane_elem(bits, st, 1);
+  }
+  // Block b's 32 codes in natural order (c) into lane b % 8 of its full group in the row's codes qr.
+  void place(const int16_t* c, int64_t b, int16_t* qr) const {
+    int16_t* g = qr + (b / 8) * kGroup16 + 2 * (b % 8);
+    for (int st = 0; st < 16; ++st) g[st * 16] = c[e[st][0]], g[st * 16 + 1] = c[e[st][1]];
+  }
+};
+
 // An empty asm on an accumulator: integer adds are associative, and GCC would otherwise rebalance a chain of
 // madd-then-add into a tree with every product live at once (spilled to the stack: 2x slower).
 static inline void keep_chain(__m256i& v) { __asm__("" : "+x"(v)); }
@@ -85,8 +98,7 @@ static void quantize_rows16_lanes(const float* x, int64_t rows, int64_t K, int b
                                   float* sa, float* xsum, int64_t ss) {
   const Lanes16 L = lanes16(K);
   alignas(32) int16_t c[QK];
-  int elem[16][2];  // a full group's e(s, h)
-  for (int st = 0; st < 16; ++st) elem[st][0] = lane_elem(bits, st, 0), elem[st][1] = lane_elem(bits, st, 1);
+  const LaneElems lanes(bits);
   const int64_t full = 8 * L.ngl < L.nb ? 8 * L.ngl : L.nb;  // blocks in full (or padded) groups
   for (int64_t r = 0; r < rows; ++r) {
     int16_t* qr = q + r * qs;
@@ -94,8 +106,7 @@ static void quantize_rows16_lanes(const float* x, int64_t rows, int64_t K, int b
     for (int64_t b = 0; b < L.nb; ++b) {
       quantize_block16(x + r * K + b * QK, c, sa + r * ss + b, xsum + r * ss + b);
       if (b < full) {
-        int16_t* g = qr + (b / 8) * kGroup16 + 2 * (b % 8);
-        for (int st = 0; st < 16; ++st) g[st * 16] = c[elem[st][0]], g[st * 16 + 1] = c[elem[st][1]];
+        lanes.place(c, b, qr);
         continue;
       }
       to_span(c, L.span, static_cast<int>(b - full), qr + L.ngl * kGroup16);

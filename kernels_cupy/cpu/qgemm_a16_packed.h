@@ -20,16 +20,14 @@ static void quantize_rows16_packed(const float* x, int64_t rows, int64_t K, int 
                                    float* sa, float* xsum, int64_t ss) {
   const int64_t nb = K / QK, full = nb / 8 * 8;
   alignas(32) int16_t c[QK];
-  int elem[16][2];  // a full group's e(s, h)
-  for (int st = 0; st < 16; ++st) elem[st][0] = lane_elem(bits, st, 0), elem[st][1] = lane_elem(bits, st, 1);
+  const LaneElems lanes(bits);
   for (int64_t r = 0; r < rows; ++r) {
     int16_t* qr = q + r * qs;
     int16_t* tail = qr + (nb / 8) * kGroup16;
     for (int64_t b = 0; b < nb; ++b) {
       quantize_block16(x + r * K + b * QK, c, sa + r * ss + b, xsum + r * ss + b);
       if (b < full) {
-        int16_t* g = qr + (b / 8) * kGroup16 + 2 * (b % 8);
-        for (int st = 0; st < 16; ++st) g[st * 16] = c[elem[st][0]], g[st * 16 + 1] = c[elem[st][1]];
+        lanes.place(c, b, qr);
       } else {
         place_block16(c, static_cast<int>((b - full) % 2), bits, tail + ((b - full) / 2) * kPair16);
       }

@@ -60,39 +60,41 @@ struct QArgs16 {
   bool wlanes = false; // wq's full groups of 8 blocks in lane order (pack_lanes_q4 / _q8); the AVX2 path only
 };
 
+// N rows of row_bytes: each full group of 8 blocks (gb bytes) with its bytes permuted (byte i of a group from
+// byte from[i]), the last K/32 % 8 blocks of a row as they are. Done once, when a model's weights are loaded.
+static inline void pack_groups(const uint8_t* src, uint8_t* dst, int64_t N, int64_t row_bytes, int64_t gb,
+                               const int* from) {
+  const int64_t full = row_bytes / gb;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* s = src + n * row_bytes;
+    uint8_t* d = dst + n * row_bytes;
+    std::memcpy(d, s, static_cast<size_t>(row_bytes));
+    for (int64_t g = 0; g < full; ++g)
+      for (int64_t i = 0; i < gb; ++i) d[g * gb + i] = s[g * gb + from[i]];
+  }
+}
+
 // 4-bit codes (N, K/2) in GGUF order -> the same bytes with each full group of 8 blocks (128 bytes) packed in
 // lane order for the AVX2 A16 kernel (QArgs16::wlanes): byte 32 q + 4 j + t of a group is byte 4 q + t of its
 // block j (q < 4, j < 8, t < 4), the 32-bit transpose the lane kernel otherwise does on every call
 // (qgemm_a16_widen.h).
-// The last K/32 % 8 blocks of a row keep their bytes. Done once, when a model's weights are loaded.
 static inline void pack_lanes_q4(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
-  const int64_t row = K / 2, full = K / 32 / 8;
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* s = src + n * row;
-    uint8_t* d = dst + n * row;
-    std::memcpy(d, s, static_cast<size_t>(row));
-    for (int64_t g = 0; g < full; ++g)
-      for (int q = 0; q < 4; ++q)
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) d[g * 128 + 32 * q + 4 * j + t] = s[g * 128 + 16 * j + 4 * q + t];
-  }
+  int from[128];
+  for (int q = 0; q < 4; ++q)
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t) from[32 * q + 4 * j + t] = 16 * j + 4 * q + t;
+  pack_groups(src, dst, N, K / 2, 128, from);
 }
 
 // 8-bit codes (N, K) likewise, each full group's 256 bytes as the lane layout's 16 steps (qgemm_a16_lanes.h,
 // e(s, h) = 4 (s / 2) + 2 h + s % 2 for Q8), so that a step is 16 bytes that sign-extend to its 16 int16 words:
 // byte 16 s + 2 j + h of a group is byte e(s, h) of its block j (s < 16, j < 8, h < 2).
 static inline void pack_lanes_q8(const int8_t* src, int8_t* dst, int64_t N, int64_t K) {
-  const int64_t full = K / 32 / 8;
-  for (int64_t n = 0; n < N; ++n) {
-    const int8_t* s = src + n * K;
-    int8_t* d = dst + n * K;
-    std::memcpy(d, s, static_cast<size_t>(K));
-    for (int64_t g = 0; g < full; ++g)
-      for (int st = 0; st < 16; ++st)
-        for (int j = 0; j < 8; ++j)
-          for (int h = 0; h < 2; ++h)
-            d[g * 256 + 16 * st + 2 * j + h] = s[g * 256 + 32 * j + 4 * (st / 2) + 2 * h + st % 2];
-  }
+  int from[256];
+  for (int st = 0; st < 16; ++st)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) from[16 * st + 2 * j + h] = 32 * j + 4 * (st / 2) + 2 * h + st % 2;
+  pack_groups(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst), N, K, 256, from);
 }
 
 // The A16 activation codes' bound (numerics 1, qgemm_a16.h): 12-bit codes in int16, so that on AMX a Q4 block's
