@@ -84,12 +84,14 @@ isa_check() {  # the A16 GEMM harness on the host CPU: every path bit-equal to s
         | sort | uniq -c || true
     g++ -O3 -ffp-contract=off -std=c++17 -Ikernels_cupy/cpu bench/qgemm16_harness.cpp -o /tmp/h16 || return 1
     local run  # one harness per core at once (each is one thread): "isa bits shapes"
-    for run in "best 4 12" "best 8 12" "vnni 4 12" "vnni 8 12" "avx2 4 4" "avx2 8 4"; do
+    # vnni512 / vnni256: the VNNI lane kernel on 512- or 256-bit vectors (qgemm_core.h, vnni_zmm), AMX off
+    for run in "best 4 12" "best 8 12" "vnni512 4 12" "vnni512 8 12" "vnni256 4 12" "vnni256 8 12" "avx2 4 4" \
+        "avx2 8 4"; do
         set -- $run
         KVGATE_QGEMM_ISA=$1 /tmp/h16 "$2" "$3" >"/tmp/h16_$1_$2.txt" &
     done
     wait
-    for run in best_4 best_8 vnni_4 vnni_8 avx2_4 avx2_8; do
+    for run in best_4 best_8 vnni512_4 vnni512_8 vnni256_4 vnni256_8 avx2_4 avx2_8; do
         echo "-- $run: ok $(grep -c ' ok$' "/tmp/h16_$run.txt") MISMATCH $(grep -c MISMATCH "/tmp/h16_$run.txt")"
         grep -E "K=  576 M=(   1|  16| 512) |K= 1536 M=(   1|  16| 512) " "/tmp/h16_$run.txt"
     done

@@ -85,6 +85,7 @@ if a["precision"]:
     props["INFERENCE_PRECISION_HINT"] = a["precision"]
 if a["kv_precision"]:
     props["KV_CACHE_PRECISION"] = a["kv_precision"]
+props.update(a.get("extra", {}))                 # --ov-property KEY=VALUE
 core = ov.Core()
 pipe = g.ContinuousBatchingPipeline(a["model"], sc, "CPU", props)
 def cfg(n):
@@ -98,7 +99,10 @@ name = lambda v: v if isinstance(v, str) else v.to_string()  # ov.Type -> "f32",
 info = {"openvino": ov.get_version(), "openvino_genai": g.__version__,
         "precision": name(props.get("INFERENCE_PRECISION_HINT")
                           or core.get_property("CPU", "INFERENCE_PRECISION_HINT")),
-        "kv_precision": name(props.get("KV_CACHE_PRECISION") or core.get_property("CPU", "KV_CACHE_PRECISION"))}
+        "kv_precision": name(props.get("KV_CACHE_PRECISION") or core.get_property("CPU", "KV_CACHE_PRECISION")),
+        # int4/int8 weights: activations quantized to int8 per group of this many (0: off) for the integer units
+        "dynamic_quantization_group_size": str(props.get("DYNAMIC_QUANTIZATION_GROUP_SIZE")
+                                               or core.get_property("CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
 t = time.perf_counter()
 res = pipe.generate(ids, cfgs)
 dt = time.perf_counter() - t
@@ -192,6 +196,8 @@ def main() -> None:
                     help="OpenVINO's INFERENCE_PRECISION_HINT; default: the CPU plugin's own")
     ap.add_argument("--ov-kv-precision", default="default", choices=("default", "u8", "f16", "bf16", "f32"),
                     help="OpenVINO's KV_CACHE_PRECISION; default: the CPU plugin's own (u8)")
+    ap.add_argument("--ov-property", action="append", default=[], metavar="KEY=VALUE",
+                    help="another CPU plugin property, e.g. DYNAMIC_QUANTIZATION_GROUP_SIZE=0 (its int8 activations off)")
     ap.add_argument("--quantization", default="auto", help="kvgate's linear layers (LLM(quantization=...))")
     ap.add_argument("--kv-cache-dtype", default="auto", help="kvgate's KV cache (auto: the model's fp32)")
     ap.add_argument("--requests", type=int, default=32)
@@ -240,6 +246,7 @@ def main() -> None:
            "precision": "" if a.ov_precision == "default" else a.ov_precision,
            "kv_precision": "" if a.ov_kv_precision == "default" else a.ov_kv_precision,
            "max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
+           "extra": dict(kv.split("=", 1) for kv in a.ov_property),
            "prompts": [p for p, _ in reqs], "max_new": [o for _, o in reqs]}
     ov_log = tempfile.NamedTemporaryFile("w+", prefix="peer-openvino-", suffix=".log", delete=False)
     llm.generate([p for p, _ in reqs[:2]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
@@ -271,7 +278,8 @@ def main() -> None:
     print(f"OpenVINO {env_ov['openvino']}, openvino-genai {env_ov['openvino_genai']}: ContinuousBatchingPipeline "
           f"{a.ov_model} (int4 IR), INFERENCE_NUM_THREADS={a.threads}, INFERENCE_PRECISION_HINT={env_ov['precision']}"
           f"{'' if a.ov_precision != 'default' else ' (default)'}, KV_CACHE_PRECISION={env_ov['kv_precision']}"
-          f"{'' if a.ov_kv_precision != 'default' else ' (default)'}, cache_size={cache_gb} GB; log {ov_log.name}")
+          f"{'' if a.ov_kv_precision != 'default' else ' (default)'}, DYNAMIC_QUANTIZATION_GROUP_SIZE="
+          f"{env_ov.get('dynamic_quantization_group_size')}, cache_size={cache_gb} GB; log {ov_log.name}")
     print(f"greedy agreement (best runs): first token same in {agree['first_token_same']}/{agree['requests']}, "
           f"identical outputs {agree['identical']}/{agree['requests']}, mean common prefix "
           f"{agree['mean_common_prefix']:.1f} tokens")

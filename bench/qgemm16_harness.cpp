@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
       scalar::quantize_rows16(x.data(), M, K, q0.data(), qs, sa0.data(), xs0.data(), ss);
       scalar::gemm16(QArgs16{M, N, K, bits, q0.data(), qs, sa0.data(), xs0.data(), ss, wq.data(), wd.data(), wmp,
                              nullptr, ref.data()}, 0, N);
-      const bool packable = isa() == kAvx2;
+      const bool packable = packed_codes_ok();
       std::vector<uint8_t> wp(wq.size());
       if (packable && bits == 4) pack_lanes_q4(wq.data(), wp.data(), N, K);
       if (packable && bits == 8)

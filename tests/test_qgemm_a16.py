@@ -10,6 +10,7 @@ activations per block of 32 against the exact weight blocks.
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,11 +144,16 @@ print(mod.isa())
 
 
 def test_every_isa_path_is_bit_identical(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Scalar, AVX2 and (where the CPU has them) VNNI and AMX give the same bits; one process each, as the path is
-    chosen once per process."""
-    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "vnni", "best"), tmp_path)
+    """Scalar, AVX2 and (where the CPU has them) VNNI, its lane kernel on 512- and on 256-bit vectors, and AMX give
+    the same bits; one process each, as the path is chosen once per process."""
+    results = results_per_isa(_ISA_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "vnni", "vnni256", "vnni512", "best"),
+                              tmp_path)
     for isa, got in results.items():
         assert torch.equal(got, results["scalar"]), isa
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:  # both widths ran (their names differ), not one twice
+        assert {"avx512-vnni", "avx512-vnni-ymm"} <= set(results), results.keys()
 
 
 _PACKED_CHECK = """
@@ -170,7 +176,7 @@ for bits, nb in [(b, n) for b in (4, 8) for n in range(1, 27)]:
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
         x[0, :32] = 0.0
         plain = mod.qlinear(x, w.codes, w.d, w.m, bias, bits, None, 16)
-        if mod.isa() == "avx2":
+        if mod.isa() in ("avx2", "avx512-vnni", "avx512-vnni-ymm"):
             got = mod.qlinear(x, packed, w.d, w.m, bias, bits, None, 16, True)
             if not torch.equal(got, plain):
                 sys.exit(f"packed != plain: bits {bits}, K {k}, M {m}")
@@ -188,12 +194,14 @@ print(mod.isa())
 
 
 def test_packed_weights_give_the_same_bits(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Codes packed in lane order (``pack_lanes``, the AVX2 path's layout for a model's weights) give the bits of
-    the GGUF's own order on that path, and so the scalar reference's; other paths refuse them."""
-    results = results_per_isa(_PACKED_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2"), tmp_path)
+    """Codes packed in lane order (``pack_lanes``, a model's layout on the AVX2 and VNNI paths) give the bits of
+    the GGUF's own order on those paths, and so the scalar reference's; other paths (scalar, AMX) refuse them."""
+    results = results_per_isa(_PACKED_CHECK, "KVGATE_QGEMM_ISA", ("scalar", "avx2", "vnni256", "vnni512", "best"),
+                              tmp_path)
     if "avx2" not in results:
         pytest.skip("this CPU has no AVX2 path")
-    assert torch.equal(results["avx2"], results["scalar"])
+    for isa, got in results.items():
+        assert torch.equal(got, results["scalar"]), isa
 
 
 def test_pack_lanes_moves_bytes_within_full_groups(kernel) -> None:  # type: ignore[no-untyped-def]

@@ -47,7 +47,8 @@ static torch::Tensor qlinear16(const torch::Tensor& x, const torch::Tensor& wq, 
 // (bench/RESULTS.md, 2026-11-24). Owners keep it beside wm.
 // act_bits 16: int16 activations, the A16 kernel (qgemm_a16.h, numerics there); wmt is then not read (the A16
 // kernel takes the minimums of eight blocks of a row from wm).
-// wlanes: wq is pack_lanes' copy of 4-bit codes (qgemm_core.h, pack_lanes_q4), for act_bits 16 on the AVX2 path.
+// wlanes: wq is pack_lanes' copy of the codes (qgemm_core.h, pack_lanes_q4 / _q8), for act_bits 16 on the AVX2
+// and VNNI paths (qgemm::packed_codes_ok).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::optional<torch::Tensor> wm,
                       c10::optional<torch::Tensor> bias, int64_t bits, c10::optional<torch::Tensor> wmt,
                       int64_t act_bits = 8, bool wlanes = false) {
@@ -70,8 +71,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor wd, c10::
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be (N,) fp32");
   }
-  TORCH_CHECK(!wlanes || (act_bits == 16 && qgemm::isa() == qgemm::kAvx2),
-              "packed weights (wlanes) are for the A16 kernel's AVX2 path; this process runs ",
+  TORCH_CHECK(!wlanes || (act_bits == 16 && qgemm::packed_codes_ok()),
+              "packed weights (wlanes) are for the A16 kernel's AVX2 and VNNI paths; this process runs ",
               qgemm::isa_name(qgemm::isa()));
   if (act_bits == 16) return qlinear16(x, wq, wd, wm, bias, bits, wlanes);
   if (wmt.has_value()) {

@@ -119,7 +119,7 @@ static void quantize_rows16_lanes(const float* x, int64_t rows, int64_t K, int b
 
 // NS steps of R rows (xg: each row's step 0) against C widened columns (wg likewise) into the block sums s.
 // Each step's weights are loaded once for the R rows and its activations once for the C columns.
-#if QG_VNNI
+#if QG_VNNI && QG_ZMM
 // 512-bit: one vpdpwssd takes two consecutive steps (adjacent in memory, 64 bytes: lanes 0-7 step st, lanes
 // 8-15 step st + 1, blocks 0-7 in each half); the halves are added at the end. Integer adds: the block sums
 // are the exact ones the 256-bit loop gives. NS is even (16 for a group, 2 * span for a span group).
@@ -150,6 +150,8 @@ static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg
       s[r][j] = _mm256_add_epi32(_mm512_castsi512_si256(z[r][j]), _mm512_extracti64x4_epi64(z[r][j], 1));
 }
 #else
+// 256-bit: a step a multiply-add into the block sums, VNNI's vpdpwssd (AVX512-VL; 32 registers hold a 4 x 3 tile)
+// or AVX2's vpmaddwd + vpaddd (the 512-bit loop's integer sums, in another order: exact).
 template <int R, int C, int NS>
 static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg, __m256i s[R][C]) {
   for (int r = 0; r < R; ++r)
@@ -166,8 +168,12 @@ static inline void lane_steps(const int16_t* const* xg, const int16_t* const* wg
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg[r] + st * 16));
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) {
+#if QG_VNNI
+        s[r][j] = _mm256_dpwssd_epi32(s[r][j], w[j], x);
+#else
         s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(w[j], x));
         keep_chain(s[r][j]);
+#endif
       }
     }
   }
@@ -222,12 +228,13 @@ static inline void micro_lanes(const QArgs16& a, const Lanes16& L, const Col16* 
 
 // The micro-tile. 256-bit (16 ymm): 3 rows x 2 columns keeps the 6 block sums, the 6 fp32 lanes, 2 weight
 // vectors and an activation vector in registers; 2 x 4 spilled its fp32 lanes to the stack at every group end and
-// ran 6-8% slower at K = 576 on Zen 1 (2-4% at K = 1536; bench/RESULTS.md). VNNI (32 zmm) keeps 2 x 4.
+// ran 6-8% slower at K = 576 on Zen 1 (2-4% at K = 1536; bench/RESULTS.md). VNNI (32 registers) keeps 2 x 4 on
+// 512 bits and 4 x 3 on 256 (Zen 4: 1.07-1.12x of 2 x 4 and 3 x 4 at 16-512 rows).
 #ifndef QG_A16_ROWS
-#define QG_A16_ROWS (QG_VNNI ? 2 : 3)
+#define QG_A16_ROWS (QG_VNNI ? (QG_ZMM ? 2 : 4) : 3)
 #endif
 #ifndef QG_A16_COLS
-#define QG_A16_COLS (QG_VNNI ? 4 : 2)
+#define QG_A16_COLS (QG_VNNI ? (QG_ZMM ? 4 : 3) : 2)
 #endif
 static constexpr int kRowsLanes = QG_A16_ROWS;  // rows a micro-tile
 static constexpr int kColsLanes = QG_A16_COLS;  // columns a micro-tile

@@ -1,6 +1,7 @@
-// The A16 kernel for few rows (packed_rows_call: below 12 rows for Q4, 24 for Q8; decode batches) against
-// block codes packed in lane order (QArgs16::wlanes, qgemm_core.h's pack_lanes_q4 / _q8), 256-bit only. Included
-// at the end of qgemm_a16_lanes.h inside the AVX2 namespace of qgemm_core.h; no STL. Numerics: qgemm_a16.h (the
+// The A16 kernel for few rows (packed_tiles: on the AVX2 path below 12 rows for Q4, 24 for Q8, on the VNNI path
+// below 5; decode batches) against block codes packed in lane order (QArgs16::wlanes, qgemm_core.h's pack_lanes_q4
+// / _q8), 256-bit only. Included at the end of qgemm_a16_lanes.h inside the AVX2 namespace of qgemm_core.h, whose
+// dispatch calls it on the VNNI path too (the same AVX2 code); no STL. Numerics: qgemm_a16.h (the
 // same exact block sums, the same group ends, so the same bits as every other path).
 //
 // Why: the pair kernel (qgemm_a16.h) widens each weight pair in its natural order and reduces four pairs'

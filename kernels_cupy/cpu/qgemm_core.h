@@ -10,8 +10,8 @@
 // Activations are quantized per row and block of 32 to int8 (act_bits 8, see qgemm_impl.h) or int16 (act_bits 16,
 // the default arithmetic; exact numerics in qgemm_a16.h, scalar reference scalar::quantize_rows16 / gemm16).
 //
-// Paths, picked once at run time from the CPU's features (KVGATE_QGEMM_ISA=scalar|avx2|vnni narrows it,
-// for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar; on top of
+// Paths, picked once at run time from the CPU's features (KVGATE_QGEMM_ISA=scalar|avx2|vnni|vnni256|vnni512
+// narrows it, for tests): AVX-512 VNNI (vpdpbusd on 256-bit vectors), AVX2 + FMA (vpmaddubsw + vpmaddwd), scalar; on top of
 // VNNI, where the CPU has AMX-INT8 and Linux grants its tile state, the A16 kernel of calls from kAmxRows rows
 // runs on AMX tiles (qgemm_a16_amx.h).
 #pragma once
@@ -119,6 +119,14 @@ static constexpr int64_t kLaneRows = 4;
 static constexpr int64_t kPackedRows = QG_PACKED_ROWS;
 static constexpr int64_t kPackedRows8 = QG_PACKED_ROWS8;
 static inline bool packed_rows_call(int64_t M, int64_t bits) { return M < (bits == 4 ? kPackedRows : kPackedRows8); }
+#ifndef QG_PACKED_ROWS_VNNI
+#define QG_PACKED_ROWS_VNNI 5
+#endif
+// On the VNNI path (without AMX: packed codes are never given to it) the same row tiles run below this many rows,
+// Q4 and Q8: Zen 4, one thread in cache, the row tiles against the VNNI pair and lane kernels (GMAC/s, Q4 3072 x 576
+// / Q8 960 x 576): 1 row 30 / 23 and 38 / 25, 3 rows 45 / 42 and 43 / 42, 4 rows 41 / 40 and 44 / 40, 8 rows
+// 42 / 52 and 45 / 52 (bench/RESULTS.md).
+static constexpr int64_t kPackedRowsVnni = QG_PACKED_ROWS_VNNI;
 // From this many rows the A16 kernel runs on AMX tiles where amx_on() (below): a part-filled tile costs about
 // its rows, and from 4 rows the tiles beat the 512-bit lane loop (M = 8: 1.6-1.75x; bench/RESULTS.md).
 static constexpr int64_t kAmxRows = 4;
@@ -264,22 +272,37 @@ static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define QG_VNNI 0
+#define QG_ZMM 0
 #include "qgemm_impl.h"
 #include "qgemm_a16.h"
 #include "qgemm_a16_lanes.h"
+#undef QG_ZMM
 #undef QG_VNNI
 }  // namespace avx2
 #pragma GCC pop_options
 
+// VNNI twice: the A16 lane kernel's multiplies on 512-bit vectors (vnni) or on 256-bit ones (vnni_ymm), the same
+// layouts and bits; vnni_zmm() below picks one per CPU. Everything else is the same code in both.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
 #define QG_VNNI 1
+#define QG_ZMM 1
 #include "qgemm_impl.h"
 #include "qgemm_a16.h"
 #include "qgemm_a16_lanes.h"
+#undef QG_ZMM
 #undef QG_VNNI
 }  // namespace vnni
+namespace vnni_ymm {
+#define QG_VNNI 1
+#define QG_ZMM 0
+#include "qgemm_impl.h"
+#include "qgemm_a16.h"
+#include "qgemm_a16_lanes.h"
+#undef QG_ZMM
+#undef QG_VNNI
+}  // namespace vnni_ymm
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -307,13 +330,35 @@ static Isa isa() {
   return chosen;
 }
 
+// The VNNI path's lane kernel on 512-bit vectors, or on 256-bit ones where those multiply faster: Zen 4 (AMD family
+// 0x19, whose AVX-512 parts are Zen 4) issues a 512-bit vpdpwssd at 0.55 a cycle against 2.0 for the 256-bit one
+// (independent chains: 18 against 32 int16 multiply-adds a cycle), and there the 512-bit loop ran 0.85-0.95x of
+// the 256-bit one's 4 x 3 tile from 4 rows; on an Emerald Rapids neither led throughout (Q8 mostly 512 bits), so
+// 512 bits stay the default elsewhere (bench/RESULTS.md). KVGATE_QGEMM_ISA=vnni256 / vnni512 picks one (tests run both).
+static bool detect_vnni_zmm() {
+  const char* want = std::getenv("KVGATE_QGEMM_ISA");
+  if (want && std::strcmp(want, "vnni256") == 0) return false;
+  if (want && std::strcmp(want, "vnni512") == 0) return true;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return true;
+  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return true;
+  const unsigned base = (eax >> 8) & 0xFu, family = base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
+  return family != 0x19u;
+}
+
+static bool vnni_zmm() {
+  static const bool zmm = detect_vnni_zmm();
+  return zmm;
+}
+
 // AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), and Linux's permission for the tile data state, asked once
 // for the process (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18): without it the first tile
 // instruction would kill the process. On top of the VNNI path only (KVGATE_QGEMM_ISA=vnni switches it off).
 static bool detect_amx() {
   if (isa() != kVnni) return false;
   const char* want = std::getenv("KVGATE_QGEMM_ISA");
-  if (want && std::strcmp(want, "vnni") == 0) return false;
+  if (want && std::strncmp(want, "vnni", 4) == 0) return false;  // vnni, vnni256, vnni512
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
@@ -324,8 +369,17 @@ static bool amx_on() {
   return on;
 }
 
+// Whether an A16 call of M rows on packed codes (QArgs16::wlanes) runs the packed row tiles of qgemm_a16_packed.h
+// (AVX2 code, on the AVX2 and the VNNI paths alike) or the lane kernel, which widens packed groups.
+static bool packed_tiles(int64_t M, int64_t bits) { return isa() == kVnni ? M < kPackedRowsVnni : packed_rows_call(M, bits); }
+
+// Whether packed codes may be given to this process's A16 kernel: its AVX2 or VNNI path, not AMX (whose tiles read
+// the GGUF's order) nor the scalar one.
+static bool packed_codes_ok() { return isa() >= kAvx2 && !amx_on(); }
+
 static inline const char* isa_name(Isa i) {
-  return i == kVnni ? (amx_on() ? "avx512-vnni+amx" : "avx512-vnni") : i == kAvx2 ? "avx2" : "scalar";
+  if (i == kVnni) return amx_on() ? "avx512-vnni+amx" : vnni_zmm() ? "avx512-vnni" : "avx512-vnni-ymm";
+  return i == kAvx2 ? "avx2" : "scalar";
 }
 
 // Activations for the 4-bit SIMD kernels: the same codes as quantize_rows in block-pair order, plus sa8.
@@ -361,8 +415,7 @@ static void gemm(const QArgs& a, int64_t n0, int64_t n1) {
 static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M, int64_t K, int bits, int16_t* q,
                             int64_t qs, float* sa, float* xsum, int64_t ss, bool wlanes = false) {
   const bool lanes = M >= kLaneRows;
-  if (wlanes && packed_rows_call(M, bits) && isa() == kAvx2)
-    return avx2::quantize_rows16_packed(x, rows, K, bits, q, qs, sa, xsum, ss);
+  if (wlanes && packed_tiles(M, bits)) return avx2::quantize_rows16_packed(x, rows, K, bits, q, qs, sa, xsum, ss);
   if (M >= kAmxRows && amx_on())
     return amx::quantize_rows16_tiles(x, rows, r0, K, q - r0 * qs, qs, sa, xsum, ss, bits == 4);
   switch (isa()) {
@@ -376,7 +429,10 @@ static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M,
 static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
   if (a.M >= kAmxRows && amx_on()) return amx::gemm16(a, n0, n1);
   switch (isa()) {
-    case kVnni: vnni::gemm16(a, n0, n1); break;
+    case kVnni:
+      if (a.wlanes && packed_tiles(a.M, a.bits)) return avx2::gemm16_packed(a, n0, n1);
+      vnni_zmm() ? vnni::gemm16(a, n0, n1) : vnni_ymm::gemm16(a, n0, n1);
+      break;
     case kAvx2: avx2::gemm16(a, n0, n1); break;
     default: scalar::gemm16(a, n0, n1); break;
   }

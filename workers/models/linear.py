@@ -41,6 +41,8 @@ from workers.models.quant import QK, BlockWeight, dequantize, quantize
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "none", "int8", "int4", "int8-a8", "int4-a8")
+# The kernel paths (qlinear's isa()) that take block codes packed in lane order (pack_lanes).
+PACKED_ISAS = ("avx2", "avx512-vnni", "avx512-vnni-ymm")
 
 
 def mode_bits(mode: str) -> tuple[int, int]:
@@ -87,11 +89,11 @@ class BlockLinear(nn.Module):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self.bits, self.act_bits = w.bits, act_bits
         self.out_features, self.in_features = w.shape
-        # Codes on the A16 kernel's AVX2 path are packed once here (qgemm_core.h, pack_lanes_q4 / _q8): a decode
-        # call then widens each weight group without transposing it first (Zen 1, a model's 120 4-bit linears
-        # from memory: one row 1.16x, two 1.23x, three 1.29x; bench/RESULTS.md). The same results; only that
-        # path reads them.
-        self.wlanes = act_bits == 16 and kernel_isa(kernel) == "avx2"
+        # Codes on the A16 kernel's AVX2 and VNNI paths are packed once here (qgemm_core.h, pack_lanes_q4 / _q8): a
+        # decode call then widens each weight group without transposing it first (Zen 1, a model's 120 4-bit
+        # linears from memory: one row 1.16x, two 1.23x, three 1.29x; Zen 4, one row in cache: Q4 1.3x, Q8 1.5x;
+        # bench/RESULTS.md). The same results; AMX, whose tiles read the GGUF's order, keeps it.
+        self.wlanes = act_bits == 16 and kernel_isa(kernel) in PACKED_ISAS
         codes = w.codes
         if self.wlanes and kernel is not None:
             codes = kernel.pack_lanes(codes.contiguous(), self.in_features)
