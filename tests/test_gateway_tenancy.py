@@ -252,18 +252,24 @@ def _gauge(srv: Server, name: str) -> float:
 # Last in this module: it leaves 127.0.0.1 blocked for failed authentications for a while.
 def test_auth_errors_are_openai_shaped_and_failures_rate_limited_per_address(srv: Server) -> None:
     url = f"{srv.url}/v1/models"
-    missing = httpx.get(url)
+    # From an address of its own (loopback is all of 127/8): the limiter's bucket for 127.0.0.1 holds what the
+    # module's other tests spent, and a bucket refilled to just under one failure frees itself within milliseconds.
+    client = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30)
+    missing = client.get(url)
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
-    wrong = httpx.get(url, headers={"Authorization": "Bearer kvg-not-a-real-key-at-all-000000"})
+    wrong = client.get(url, headers={"Authorization": "Bearer kvg-not-a-real-key-at-all-000000"})
     body = wrong.json()["error"]
     assert wrong.status_code == 401 and body["type"] == "authentication_error"
     assert "kvg-not-a-real-key" not in body["message"] and "kvg-not-" in body["message"]  # masked
     with store_of(srv) as store:
         before = sum(g.requests for g in store.usage_summary())
-    statuses = [httpx.get(url, headers={"Authorization": f"Bearer kvg-guess-{i:040d}"}).status_code
+    statuses = [client.get(url, headers={"Authorization": f"Bearer kvg-guess-{i:040d}"}).status_code
                 for i in range(25)]
-    assert statuses.count(401) <= 20 and statuses[-1] == 429  # 20 failures a minute, then refused outright
-    blocked = httpx.get(url, headers={"Authorization": f"Bearer {srv.api_key}"})
+    # A full bucket of 20 failures a minute (one back every 3 s): 18 more guesses fail, then refused outright.
+    assert statuses.count(401) <= 18 and statuses[-1] == 429
+    blocked = client.get(url, headers={"Authorization": f"Bearer {srv.api_key}"})
     assert blocked.status_code == 429 and int(blocked.headers["retry-after"]) >= 1
+    assert httpx.get(url, headers={"Authorization": f"Bearer {srv.api_key}"}).status_code == 200  # per address
+    client.close()
     with store_of(srv) as store:
         assert sum(g.requests for g in store.usage_summary()) == before  # failed auth wrote nothing

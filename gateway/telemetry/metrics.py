@@ -149,7 +149,8 @@ def render(pool: WorkerPool, model_name: str, gpu_hour_cost: float | None = None
               "# TYPE kvgate:ipc_pending_outputs gauge"]
     lines += [f"kvgate:ipc_pending_outputs{_labels(model_name=model_name, worker=w.worker_id)} "
               f"{w.pending_outputs()}" for w in workers]
-    lines += ["# HELP kvgate:ipc_pending_aborts Requests waiting for their Abort to be sent to a worker.",
+    lines += ["# HELP kvgate:ipc_pending_aborts Requests whose Abort was queued for a worker that has not yet confirmed "
+              "them gone (its next Stats heartbeat does).",
               "# TYPE kvgate:ipc_pending_aborts gauge"]
     lines += [f"kvgate:ipc_pending_aborts{_labels(model_name=model_name, worker=w.worker_id)} "
               f"{aborts.get(w.worker_id, 0)}" for w in workers]
