@@ -176,7 +176,7 @@ for bits, nb in [(b, n) for b in (4, 8) for n in range(1, 27)]:
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3
         x[0, :32] = 0.0
         plain = mod.qlinear(x, w.codes, w.d, w.m, bias, bits, None, 16)
-        if mod.isa() in ("avx2", "avx512-vnni", "avx512-vnni-ymm"):
+        if mod.packed_codes_ok():  # the AVX2 and VNNI paths, not scalar nor AMX
             got = mod.qlinear(x, packed, w.d, w.m, bias, bits, None, 16, True)
             if not torch.equal(got, plain):
                 sys.exit(f"packed != plain: bits {bits}, K {k}, M {m}")

@@ -132,6 +132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_lanes", &pack_lanes, "block codes packed for qlinear(..., wlanes=True)", py::arg("wq"),
         py::arg("K"));
   m.def("isa", &isa, "the instruction-set path chosen at run time");
+  m.def("packed_codes_ok", &qgemm::packed_codes_ok, "whether qlinear takes pack_lanes' codes (wlanes) here");
   m.def("flinear", &flinear, "x @ W^T (+ b) in fp32 with one fixed summation order (CPU)", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none());
   m.def("fgemm_isa", &fgemm_isa, "the instruction-set path of flinear, chosen at run time");

@@ -301,10 +301,8 @@ static void gemm16_lanes(const QArgs16& a, int64_t n0, int64_t n1) {
 #include "qgemm_a16_packed.h"
 #endif
 
+// (Calls on packed codes with few rows go to gemm16_packed from qgemm_core.h's dispatch, packed_tiles.)
 static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
-#if !QG_VNNI
-  if (a.wlanes && packed_rows_call(a.M, a.bits)) return gemm16_packed(a, n0, n1);
-#endif
   if (a.M < kLaneRows) {
     if (a.bits == 4) gemm16_pairs<true>(a, n0, n1);
     else gemm16_pairs<false>(a, n0, n1);

@@ -202,7 +202,7 @@ static void packed_cols(const QArgs16& a, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) packed_rows<1, Q4>(a, n);
 }
 
-// Output columns [n0, n1) of a call that packed_rows_call picks, with packed weights.
+// Output columns [n0, n1) of a call that packed_tiles (qgemm_core.h) picks, with packed weights.
 static void gemm16_packed(const QArgs16& a, int64_t n0, int64_t n1) {
   if (a.bits == 4) packed_cols<true>(a, n0, n1);
   else packed_cols<false>(a, n0, n1);

@@ -57,7 +57,7 @@ struct QArgs16 {
   const uint16_t* wm;  // (N, K/32) fp16 bits (bits 4), else null
   const float* bias;   // (N,) or null
   float* out;          // (M, N)
-  bool wlanes = false; // wq's full groups of 8 blocks in lane order (pack_lanes_q4 / _q8); the AVX2 path only
+  bool wlanes = false; // wq's full groups of 8 blocks in lane order (pack_lanes_q4 / _q8); packed_codes_ok paths
 };
 
 // N rows of row_bytes: each full group of 8 blocks (gb bytes) with its bytes permuted (byte i of a group from
@@ -428,11 +428,9 @@ static void quantize_rows16(const float* x, int64_t rows, int64_t r0, int64_t M,
 // A16 output columns [n0, n1) for all rows; callers split N across threads.
 static void gemm16(const QArgs16& a, int64_t n0, int64_t n1) {
   if (a.M >= kAmxRows && amx_on()) return amx::gemm16(a, n0, n1);
+  if (a.wlanes && packed_tiles(a.M, a.bits)) return avx2::gemm16_packed(a, n0, n1);  // AVX2 code, either path
   switch (isa()) {
-    case kVnni:
-      if (a.wlanes && packed_tiles(a.M, a.bits)) return avx2::gemm16_packed(a, n0, n1);
-      vnni_zmm() ? vnni::gemm16(a, n0, n1) : vnni_ymm::gemm16(a, n0, n1);
-      break;
+    case kVnni: vnni_zmm() ? vnni::gemm16(a, n0, n1) : vnni_ymm::gemm16(a, n0, n1); break;
     case kAvx2: avx2::gemm16(a, n0, n1); break;
     default: scalar::gemm16(a, n0, n1); break;
   }

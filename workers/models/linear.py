@@ -41,8 +41,6 @@ from workers.models.quant import QK, BlockWeight, dequantize, quantize
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "none", "int8", "int4", "int8-a8", "int4-a8")
-# The kernel paths (qlinear's isa()) that take block codes packed in lane order (pack_lanes).
-PACKED_ISAS = ("avx2", "avx512-vnni", "avx512-vnni-ymm")
 
 
 def mode_bits(mode: str) -> tuple[int, int]:
@@ -93,7 +91,7 @@ class BlockLinear(nn.Module):
         # decode call then widens each weight group without transposing it first (Zen 1, a model's 120 4-bit
         # linears from memory: one row 1.16x, two 1.23x, three 1.29x; Zen 4, one row in cache: Q4 1.3x, Q8 1.5x;
         # bench/RESULTS.md). The same results; AMX, whose tiles read the GGUF's order, keeps it.
-        self.wlanes = act_bits == 16 and kernel_isa(kernel) in PACKED_ISAS
+        self.wlanes = act_bits == 16 and kernel is not None and bool(kernel.packed_codes_ok())
         codes = w.codes
         if self.wlanes and kernel is not None:
             codes = kernel.pack_lanes(codes.contiguous(), self.in_features)
