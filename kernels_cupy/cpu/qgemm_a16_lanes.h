@@ -216,6 +216,14 @@ static inline void micro_lanes(const QArgs16& a, const Lanes16& L, const Col16* 
     lane_steps<R, C, 16>(xg, wg, s);
     lane_group_end<R, C, Q4>(a, c, m0, g, s, acc);
   }
+#if QG_VNNI
+  switch (L.span) {
+    case 1: lane_finish<R, C, Q4, 1>(a, c, L, xr, m0, n0, acc); break;
+    case 2: lane_finish<R, C, Q4, 2>(a, c, L, xr, m0, n0, acc); break;
+    case 4: lane_finish<R, C, Q4, 4>(a, c, L, xr, m0, n0, acc); break;
+    default: lane_finish<R, C, Q4, 0>(a, c, L, xr, m0, n0, acc); break;
+  }
+#else
   switch (L.span) {
     case 1: span_group<R, C, Q4, 1>(a, c, L, xr, m0, acc); break;
     case 2: span_group<R, C, Q4, 2>(a, c, L, xr, m0, acc); break;
@@ -224,6 +232,7 @@ static inline void micro_lanes(const QArgs16& a, const Lanes16& L, const Col16* 
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) store16(a, m0 + r, n0 + j, acc[r][j]);
+#endif
 }
 
 // The micro-tile. 256-bit (16 ymm): 3 rows x 2 columns keeps the 6 block sums, the 6 fp32 lanes, 2 weight

@@ -1,32 +1,80 @@
 // The span group of the A16 lane layout: a K's last 1-4 blocks (qgemm_a16_lanes.h describes the layouts; to_span
 // writes them). Included by qgemm_a16_lanes.h after lane_steps and lane_group_end, inside the instruction-set
 // namespaces of qgemm_core.h; no STL. Both versions end each tail block b = 8 * ngl + i in fp32 lane i with
-// lane_group_end's operations in its order, so the outputs are the same bits (tests/test_qgemm_a16.py).
+// lane_group_end's operations in its order, and sum a tile's lanes by hsum's tree, so the outputs are the same
+// bits (tests/test_qgemm_a16.py). The VNNI version (lane_finish) also ends the tile: its outputs, stored.
 #if QG_VNNI
-// A span group's partial sums -> the tail blocks' sums in lanes 0 .. span-1 (lanes past them: any value, their
-// d is 0). Integer adds: exact in any order.
+// Two span groups' partial sums (rows r and r2 of a column) -> [row r's tail block sums in lanes 0 .. SPAN-1 | row
+// r2's likewise]; lanes 2-3 of a span of 2 hold any value (their d is 0). Integer adds: exact in any order.
 template <int SPAN>
-static inline __m256i span_sums(__m256i v) {
-  v = _mm256_add_epi32(v, _mm256_srli_epi64(v, 32));                                 // pairs: lanes 0, 2, 4, 6
-  if constexpr (SPAN <= 2) v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0x4E));   // quads: lanes 0, 4
-  if constexpr (SPAN == 1) v = _mm256_add_epi32(v, _mm256_permute2x128_si256(v, v, 0x01));  // all: lane 0
-  const __m256i idx = SPAN == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0) : _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
-  return _mm256_permutevar8x32_epi32(v, idx);
+static inline __m256i pair_sums(__m256i u, __m256i w) {
+  const __m256i h = _mm256_hadd_epi32(u, w);  // [u 01, u 23, w 01, w 23 | u 45, u 67, w 45, w 67] (lane pairs)
+  if constexpr (SPAN == 4) return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  const __m256i h2 = _mm256_hadd_epi32(h, h);  // [u 0-3, w 0-3, u 0-3, w 0-3 | u 4-7, w 4-7, ..]
+  if constexpr (SPAN == 2) return _mm256_permutevar8x32_epi32(h2, _mm256_setr_epi32(0, 4, 0, 4, 1, 5, 1, 5));
+  const __m256i all = _mm256_add_epi32(h2, _mm256_permute2x128_si256(h2, h2, 0x01));  // [u, w, ..]
+  return _mm256_permutevar8x32_epi32(all, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
-// 2 * SPAN steps, each block's lanes summed, then the usual end.
+// Rows r and r2 of column j (r2 == r for a lone row): their fp32 lanes as [row r | row r2], the tail blocks' ends
+// applied to lanes 0 .. SPAN-1 (lane_group_end's operations, lane for lane: the tail's lanes are at most 4, all in
+// the low half; d = m = 0 past nb, so lanes 2-3 of a span of 2 add a +0 as before), then each half's lanes i and
+// i + 4 summed: the first level of hsum's tree. t: each (row, column)'s span group partial sums (pair_sums adds them).
 template <int R, int C, bool Q4, int SPAN>
-static inline void span_group(const QArgs16& a, const Col16* c, const Lanes16& L, const int16_t* const* xr,
-                              int64_t m0, __m256 acc[R][C]) {
-  const int16_t* xg[R];
-  const int16_t* wg[C];
-  for (int r = 0; r < R; ++r) xg[r] = xr[r] + L.ngl * kGroup16;
-  for (int j = 0; j < C; ++j) wg[j] = c[j].w + L.ngl * kGroup16;
-  __m256i s[R][C];
-  lane_steps<R, C, 2 * SPAN>(xg, wg, s);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) s[r][j] = span_sums<SPAN>(s[r][j]);
-  lane_group_end<R, C, Q4>(a, c, m0, L.ngl, s, acc);
+static inline __m256 half_sums(const QArgs16& a, const Col16& c, int64_t g, int64_t m0, int r, int r2, int j,
+                               const __m256 acc[R][C], const __m256i t[R][C]) {
+  __m256 p = _mm256_permute2f128_ps(acc[r][j], acc[r2][j], 0x20);
+  const __m256 q = _mm256_permute2f128_ps(acc[r][j], acc[r2][j], 0x31);
+  if constexpr (SPAN > 0) {
+    const auto rows = [&](const float* base) {  // [base row r, blocks 8g .. 8g+3 | the same of row r2]
+      return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(base + (m0 + r) * a.ss + 8 * g)),
+                                  _mm_loadu_ps(base + (m0 + r2) * a.ss + 8 * g), 1);
+    };
+    const __m256i is = pair_sums<SPAN>(t[r][j], t[r2][j]);
+    const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(c.d + 8 * g));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, rows(a.sa)), p);
+    if constexpr (Q4)
+      p = _mm256_fmadd_ps(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(c.m + 8 * g)), rows(a.xsum), p);
+  }
+  return _mm256_add_ps(p, q);
+}
+
+// The tile's end: the span group's 2 * SPAN steps (SPAN = 0: none), each tail block's lanes summed, and the
+// outputs of all R x C lanes, by hsum's tree on several outputs at once (store16's bits): half_sums gives
+// (i, i + 4), a shuffle pair (i, i + 2), a hadd the last pair. On Zen 4 the span group's full-width end and twelve
+// separate horizontal sums took a fifth of a K = 576 tile's time for a ninth of its multiply-adds.
+template <int R, int C, bool Q4, int SPAN>
+static inline void lane_finish(const QArgs16& a, const Col16* c, const Lanes16& L, const int16_t* const* xr,
+                               int64_t m0, int64_t n0, const __m256 acc[R][C]) {
+  static_assert(R == 1 || R == 2 || R == 4, "rows pair up");
+  __m256i t[R][C];
+  if constexpr (SPAN > 0) {
+    const int16_t* xg[R];
+    const int16_t* wg[C];
+    for (int r = 0; r < R; ++r) xg[r] = xr[r] + L.ngl * kGroup16;
+    for (int j = 0; j < C; ++j) wg[j] = c[j].w + L.ngl * kGroup16;
+    lane_steps<R, C, 2 * SPAN>(xg, wg, t);
+  }
+  constexpr int r1 = R > 1 ? 1 : 0;
+  // z[j], column j: [r0 e0, r0 e1, r2 e0, r2 e1 | r1 e0, r1 e1, r3 e0, r3 e1], e0 = (0+4)+(2+6), e1 = (1+5)+(3+7)
+  __m256 z[C];
+  for (int j = 0; j < C; ++j) {
+    const __m256 u01 = half_sums<R, C, Q4, SPAN>(a, c[j], L.ngl, m0, 0, r1, j, acc, t);
+    const __m256 u23 = R > 2 ? half_sums<R, C, Q4, SPAN>(a, c[j], L.ngl, m0, R - 2, R - 1, j, acc, t) : u01;
+    z[j] = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  static constexpr int lane[4] = {0, 4, 1, 5};  // row r's output of column j in v (below); of column j2: 2 on
+  for (int j = 0; j < C; j += 2) {
+    const int j2 = j + 1 < C ? j + 1 : j;
+    alignas(32) float v[8];  // [r0 j, r2 j, r0 j2, r2 j2 | r1 j, r3 j, r1 j2, r3 j2], each e0 + e1
+    _mm256_store_ps(v, _mm256_hadd_ps(z[j], z[j2]));
+    for (int r = 0; r < R; ++r) {
+      float* o = a.out + (m0 + r) * a.N + n0;
+      o[j] = a.bias ? v[lane[r]] + a.bias[n0 + j] : v[lane[r]];
+      if (j2 > j) o[j2] = a.bias ? v[lane[r] + 2] + a.bias[n0 + j2] : v[lane[r] + 2];
+    }
+  }
 }
 #else
 // 256-bit: a step is 128 bits of a row's codes, broadcast to both halves, against two columns' 128 bits (one a
