@@ -64,7 +64,7 @@ static inline void lane_finish(const QArgs16& a, const Col16* c, const Lanes16& 
     z[j] = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  static constexpr int lane[4] = {0, 4, 1, 5};  // row r's output of column j in v (below); of column j2: 2 on
+  static constexpr int lane[4] = {0, 4, 1, 5};  // v's lane of row r's output of column j; of column j2: 2 lanes on
   for (int j = 0; j < C; j += 2) {
     const int j2 = j + 1 < C ? j + 1 : j;
     alignas(32) float v[8];  // [r0 j, r2 j, r0 j2, r2 j2 | r1 j, r3 j, r1 j2, r3 j2], each e0 + e1
