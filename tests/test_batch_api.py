@@ -223,12 +223,17 @@ def test_a_killed_gateway_s_batch_is_finished_by_the_next(tiny_model_dir: Path, 
                                        purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
         deadline = time.monotonic() + 120
-        while True:  # some lines stored, others in flight
-            counts = client.batches.retrieve(batch.id).request_counts
-            if counts is not None and counts.completed >= 3:
-                break
-            assert time.monotonic() < deadline, counts
-            time.sleep(0.05)
+        with store_of(first) as store:
+            while True:  # some lines stored, one started within the last 0.1 s (>= 0.24 s of its 12 steps left)
+                counts = client.batches.retrieve(batch.id).request_counts
+                # The lines run in lockstep pairs: right after a pair's results are stored, none may be in flight
+                # until the next pair is marked, so a kill timed by the counts alone could find nothing cut.
+                fresh = store.backend.read("SELECT COUNT(*) FROM batch_lines WHERE batch_id = ? AND attempts > 0 AND "
+                                           "result IS NULL AND attempted_at > ?", (batch.id, time.time() - 0.1))[0][0]
+                if counts is not None and counts.completed >= 3 and fresh >= 1:
+                    break
+                assert time.monotonic() < deadline, counts
+                time.sleep(0.02)
     finally:
         first.proc.kill()
         first.proc.wait(10)
