@@ -53,6 +53,22 @@ def _running(server: Server) -> float:
     return metric_sum(httpx.get(server.url + "/metrics", timeout=10).text, "vllm:num_requests_running")
 
 
+def _settled_counts(server: Server) -> tuple[float, float]:
+    """The worker's (prompt, generation) token counters once it is idle and two heartbeats (0.5 s apart) in a row
+    show the same: the gauges on /metrics are the last heartbeat's, so a reply can reach the client before the
+    heartbeat that shows its request gone."""
+    deadline, last = time.monotonic() + 60, (-1.0, -1.0)
+    while True:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        now = (metric_sum(text, "vllm:prompt_tokens_total"), metric_sum(text, "vllm:generation_tokens_total"))
+        idle = metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting") == 0
+        if idle and now == last:
+            return now
+        assert time.monotonic() < deadline, text
+        last = now if idle else (-1.0, -1.0)
+        time.sleep(1.1)
+
+
 def test_tiers_order_admission_and_the_engine(tiered: Server) -> None:
     bulk_key = _tenant_key(tiered, "bulk", "batch")
     fast_key = _tenant_key(tiered, "fast", "standard")
@@ -115,12 +131,17 @@ def test_a_request_the_workers_could_never_hold_is_a_400_not_a_503(tiered: Serve
     client is told to split them (a 503 would be retried forever; a Batch API line would retry until it expires);
     a batch-tier tenant may fill half the bounds: 2 prompts already are too many for it."""
     standard, bulk = _tenant_key(tiered, "split-std", "standard"), _tenant_key(tiered, "split-bulk", "batch")
+    before = _settled_counts(tiered)
     refused = _post(tiered, standard, {"prompt": ["a", "b", "c"], "max_tokens": 2})
     assert refused.status_code == 400, refused.text
     err = refused.json()["error"]
     assert err["code"] == "exceeds_worker_capacity" and "3 sequences" in err["message"] and "admit 2" in err["message"]
-    assert _post(tiered, standard, {"prompt": ["a", "b"], "max_tokens": 2}).status_code == 200
+    held = _post(tiered, standard, {"prompt": ["a", "b"], "max_tokens": 2})
+    assert held.status_code == 200, held.text
     assert _post(tiered, standard, {"prompt": "a", "n": 3, "max_tokens": 2}).status_code == 400  # n counts too
     low = _post(tiered, bulk, {"prompt": ["a", "b"], "max_tokens": 2})
     assert low.status_code == 400 and "admit 1" in low.json()["error"]["message"], low.text
-    assert _running(tiered) == 0  # nothing was queued for any of the refused ones
+    prompt, generated = _settled_counts(tiered)
+    usage = held.json()["usage"]
+    # nothing was queued for any of the refused ones: the worker computed the held request's tokens and no more
+    assert (prompt - before[0], generated - before[1]) == (usage["prompt_tokens"], usage["completion_tokens"])

@@ -96,12 +96,13 @@ def test_a_killed_workers_share_moves_to_the_other(own_srv: Server) -> None:
     held: list[int] = []
 
     def kill_under_load() -> None:
-        """SIGKILL the victim once it holds requests; note how many (only those may fail)."""
+        """SIGKILL the victim once all the requests are placed and it holds some; note how many (only those may
+        fail). Read while some were still unplaced, its count could grow before the kill lands."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             rows = {w["worker"]: w for w in _workers(srv)}
             in_flight = rows.get(victim["worker"], {}).get("in_flight", 0)
-            if in_flight:
+            if in_flight and sum(w["in_flight"] for w in rows.values()) == len(calls):
                 os.kill(victim["hello"]["pid"], signal.SIGKILL)
                 held.append(in_flight)
                 return
