@@ -16,11 +16,14 @@
 // B's columns are widened and transposed into a small panel (lane k of fgemm's accumulators for 8 outputs is
 // then one vector), and the lanes' tree ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) is done vertically:
 // the same fmas from +0, the same +0 padding past K, the same adds in the same order, per element: fgemm's bits
-// (tests/test_lora_add_kernel.py). Measured faster than fgemm from 1 row a group up (~1.9x at 512 rows). For a
-// larger K, and on the scalar path (KVGATE_FGEMM_ISA=scalar), fgemm itself.
+// (tests/test_lora_add_kernel.py). Measured faster than fgemm from 1 row a group up (~1.9x at 512 rows). An item
+// of at most kRowsMaxN rows (a decode step's group) skips the panel: lora_rows.h reads B in its own layout, with
+// the same bits (the panel's transpose cost more than the multiply-adds it served there). For a larger K, and on
+// the scalar path (KVGATE_FGEMM_ISA=scalar), fgemm itself.
 // Included by qgemm.cpp after fgemm.h.
 #pragma once
 
+#include "lora_rows.h"
 #include "torch_api.h"
 
 #include <algorithm>
@@ -32,6 +35,7 @@ namespace lora_add_impl {
 
 static constexpr int64_t kLanesMaxK = 64;     // the panel (kLanesMaxK x kPanel fp32) stays in L1
 static constexpr int64_t kPanel = 96;         // output columns a panel holds (a multiple of 24)
+static constexpr int64_t kRowsMaxN = 4;       // items of up to this many rows expand through lora_rows.h
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -161,6 +165,7 @@ struct Item {
 // A thread's scratch, reused across its items.
 struct Scratch {
   std::vector<float> xs, h, hs, d;
+  std::vector<float*> y;  // lora_rows' output rows
   alignas(32) float wt[kLanesMaxK * kPanel];
 };
 
@@ -262,6 +267,25 @@ static void expand_lanes(const Call& c, int64_t s, int64_t n, const float* hs, i
   }
 }
 
+// The same for an item of a few rows, through lora_rows.h (b read in its own layout); y: the rows' scratch.
+static void expand_rows(const Call& c, int64_t s, int64_t n, const float* hs, int64_t kp, int64_t rr,
+                        const int64_t* r, float scl, std::vector<float*>& y) {
+  const int64_t lo = c.s_cols[4 * s], cols = c.s_cols[4 * s + 1] - lo;
+  y.resize(n);
+  for (int64_t i = 0; i < n; ++i) y[i] = c.y + r[i] * c.N + lo;
+  const void* bp = c.b[s].data_ptr();
+  switch (*fgemm_wtype(c.b[s].scalar_type())) {
+    case fgemm::WType::kF16:
+      lora_rows::expand_add(n, hs, kp, static_cast<const fgemm::F16*>(bp), rr, cols, y.data(), scl);
+      break;
+    case fgemm::WType::kBF16:
+      lora_rows::expand_add(n, hs, kp, static_cast<const fgemm::BF16*>(bp), rr, cols, y.data(), scl);
+      break;
+    default:
+      lora_rows::expand_add(n, hs, kp, static_cast<const float*>(bp), rr, cols, y.data(), scl);
+  }
+}
+
 // One item: its rows' shrink, then every slice's expand and add in slice order (lanes: the AVX2 lanes expand
 // where the rank allows it, else fgemm's).
 static void run_item(const Call& c, const Item& it, bool lanes, Scratch& sc) {
@@ -274,11 +298,12 @@ static void run_item(const Call& c, const Item& it, bool lanes, Scratch& sc) {
   for (int64_t s = c.first[g]; s < c.first[g + 1]; ++s) {
     const int64_t lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1], rlo = c.s_cols[4 * s + 2],
                   rr = c.s_cols[4 * s + 3] - rlo;
-    if (lanes && rr <= kLanesMaxK) {  // measured: ~5% faster than fgemm even at 2 rows a group
+    if (lanes && rr <= kLanesMaxK) {  // the lanes path: ~1.9x fgemm at 512 rows; few rows: lora_rows.h
       const int64_t kp = (rr + 7) / 8 * 8;
       sc.hs.assign(n * kp, 0.f);
       for (int64_t i = 0; i < n; ++i) std::copy_n(sc.h.data() + i * R + rlo, rr, sc.hs.data() + i * kp);
-      expand_lanes(c, s, n, sc.hs.data(), kp, rr, r, scl, sc.wt);
+      if (n <= kRowsMaxN) expand_rows(c, s, n, sc.hs.data(), kp, rr, r, scl, sc.y);
+      else expand_lanes(c, s, n, sc.hs.data(), kp, rr, r, scl, sc.wt);
       continue;
     }
     sc.hs.resize(n * rr), sc.d.resize(n * (hi - lo));
