@@ -249,22 +249,22 @@ static std::vector<Item> plan_items(const Call& c, int64_t threads) {
   return items;
 }
 
-// Slice s's expand and add for n rows r of shrinks hs (n, kp), +0 past its rank rr, through the lanes path:
-// b's width picks the widening (fgemm::gemm's three weight types).
+// f(p), p: b's data as the weight type its dtype is (fgemm::gemm's three widenings).
+template <typename F>
+static void with_weights(const torch::Tensor& b, F&& f) {
+  const void* p = b.data_ptr();
+  switch (*fgemm_wtype(b.scalar_type())) {
+    case fgemm::WType::kF16: f(static_cast<const fgemm::F16*>(p)); break;
+    case fgemm::WType::kBF16: f(static_cast<const fgemm::BF16*>(p)); break;
+    default: f(static_cast<const float*>(p));
+  }
+}
+
+// Slice s's expand and add for n rows r of shrinks hs (n, kp), +0 past its rank rr, through the lanes path.
 static void expand_lanes(const Call& c, int64_t s, int64_t n, const float* hs, int64_t kp, int64_t rr,
                          const int64_t* r, float scl, float* wt) {
   const int64_t lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1];
-  const void* bp = c.b[s].data_ptr();
-  switch (*fgemm_wtype(c.b[s].scalar_type())) {
-    case fgemm::WType::kF16:
-      avx2::expand_add(n, hs, kp, static_cast<const fgemm::F16*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
-      break;
-    case fgemm::WType::kBF16:
-      avx2::expand_add(n, hs, kp, static_cast<const fgemm::BF16*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
-      break;
-    default:
-      avx2::expand_add(n, hs, kp, static_cast<const float*>(bp), rr, hi - lo, c.y, r, c.N, lo, scl, wt);
-  }
+  with_weights(c.b[s], [&](const auto* b) { avx2::expand_add(n, hs, kp, b, rr, hi - lo, c.y, r, c.N, lo, scl, wt); });
 }
 
 // The same for an item of a few rows, through lora_rows.h (b read in its own layout); y: the rows' scratch.
@@ -273,17 +273,7 @@ static void expand_rows(const Call& c, int64_t s, int64_t n, const float* hs, in
   const int64_t lo = c.s_cols[4 * s], cols = c.s_cols[4 * s + 1] - lo;
   y.resize(n);
   for (int64_t i = 0; i < n; ++i) y[i] = c.y + r[i] * c.N + lo;
-  const void* bp = c.b[s].data_ptr();
-  switch (*fgemm_wtype(c.b[s].scalar_type())) {
-    case fgemm::WType::kF16:
-      lora_rows::expand_add(n, hs, kp, static_cast<const fgemm::F16*>(bp), rr, cols, y.data(), scl);
-      break;
-    case fgemm::WType::kBF16:
-      lora_rows::expand_add(n, hs, kp, static_cast<const fgemm::BF16*>(bp), rr, cols, y.data(), scl);
-      break;
-    default:
-      lora_rows::expand_add(n, hs, kp, static_cast<const float*>(bp), rr, cols, y.data(), scl);
-  }
+  with_weights(c.b[s], [&](const auto* b) { lora_rows::expand_add(n, hs, kp, b, rr, cols, y.data(), scl); });
 }
 
 // One item: its rows' shrink, then every slice's expand and add in slice order (lanes: the AVX2 lanes expand

@@ -84,14 +84,15 @@ template <typename W>
 static void expand_add(int64_t n, const float* hs, int64_t kp, const W* b, int64_t K, int64_t cols,
                        float* const* y, float sc) {
   const __m128 scv = _mm_set1_ps(sc);
-  const char* end = reinterpret_cast<const char*>(b + cols * K);
-  const int64_t pass_bytes = kCols * K * static_cast<int64_t>(sizeof(W));
+  const char* bytes = reinterpret_cast<const char*>(b);
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W)), total = cols * row_bytes;
   for (int64_t c = 0; c < cols; c += kCols) {
     const int w = static_cast<int>(std::min<int64_t>(kCols, cols - c));
     // b comes from memory at a decode step (every resident adapter's weights, past the caches): ask for the
-    // bytes kAhead ahead, as the hardware's prefetchers ramp up too slowly over b's short arrays
-    const char* next = reinterpret_cast<const char*>(b + c * K) + kAhead;
-    for (int64_t off = 0; off < pass_bytes && next + off < end; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    // pass's worth of bytes kAhead ahead (within b), as the hardware's prefetchers ramp up too slowly over b's
+    // short arrays
+    const int64_t from = c * row_bytes + kAhead, to = std::min(total, from + kCols * row_bytes);
+    for (int64_t off = from; off < to; off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
     int64_t i = 0;
     for (; i + 2 <= n; i += 2) {
       const float* h[2] = {hs + i * kp, hs + (i + 1) * kp};
