@@ -31,13 +31,10 @@ def load() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0":
         return None
     try:
-        from kernels_cupy.cpu.build import load_extension
+        from kernels_cupy.cpu.build import NATIVE_CFLAGS, load_extension
 
-        # -ffp-contract=off in every CPU kernel build: the decode stack (stack.py) compiles these sources again
-        # in one unit and must round exactly as they do.
         src, *headers = paged_decode_files()
-        return load_extension("kvgate_cpu_paged_decode", [src], headers=headers,
-                              cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        return load_extension("kvgate_cpu_paged_decode", [src], headers=headers, cflags=list(NATIVE_CFLAGS),
                               ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("CPU paged-decode kernel unavailable (%s); using the torch reference path", e)

@@ -34,7 +34,7 @@ def load_qgemm() -> Any | None:
 
         src, *headers = qgemm_files()
         mod = load_extension("kvgate_cpu_qgemm", [src], headers=headers,
-                             cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # see kernels_cupy/cpu/__init__.py
+                             cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # contract off: see build.NATIVE_CFLAGS
                              ldflags=["-fopenmp"])
         log.info("quantized GEMM kernel: %s path", mod.isa())
         return mod

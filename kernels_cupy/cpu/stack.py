@@ -22,12 +22,13 @@ def load_stack() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0" or os.environ.get("KVGATE_DECODE_STACK", "1") == "0":
         return None
     try:
-        from kernels_cupy.cpu.build import load_extension
+        from kernels_cupy.cpu.build import NATIVE_CFLAGS, load_extension
 
         # decode_stack.cpp compiles the three kernels' sources in one unit: they and their headers are its includes.
+        # The attention's native flags, generic tuning included (build.py: the GEMMs' speed depends on it).
         src, *included = build_files(_DIR / "decode_stack.cpp")
-        return load_extension("kvgate_cpu_decode_stack", [src], headers=included,
-                              cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
+        return load_extension("kvgate_cpu_decode_stack", [src], headers=included, cflags=list(NATIVE_CFLAGS),
+                              ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: the module path runs
         log.warning("CPU decode stack unavailable (%s); decode steps run the model's modules", e)
         return None
