@@ -1,10 +1,12 @@
-"""The A16 GEMM compiled with the GEMM module's flags and with the native builds' flags (``build.NATIVE_CFLAGS``,
-which the decode stack compiles it with), and with ``-march=native`` alone, timed in one sitting.
+"""The A16 GEMM compiled with the GEMM module's flags, with the attention's native flags (``build.NATIVE_CFLAGS``)
+and with ``-march=native`` alone, timed in one sitting.
 
-Why: the decode stack runs every prefill and decode step's GEMMs from its own build of the kernel. On a Zen 4 with
-GCC 12, ``-march=native`` alone (tuned for znver3) ran the VNNI lane kernel 25-40% slower than the GEMM module's
-build, and nothing but a step's time showed it (bench/RESULTS.md, twenty-third session). Run this on a new CPU or
-compiler to see whether the native builds' tuning still matches the module's.
+Why: the decode stack, which runs every prefill and decode step's GEMMs, used to compile its own copy of the kernel
+with the attention's native flags. On a Zen 4 with GCC 12, ``-march=native`` alone (tuned for znver3) ran the VNNI
+lane kernel 25-40% slower than the GEMM module's build, and nothing but a step's time showed it; with generic
+tuning it was still 3-5% slower (bench/RESULTS.md, twenty-third session). The stack now calls the GEMM module's own
+kernel (kernels_cupy/cpu/kernel_api.h). Run this before building any kernel with native flags on a new CPU or
+compiler.
 
     .venv/bin/python bench/build_tuning.py [--bits 4] [--rounds 3] [--isa vnni256]
 

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+import kernels_cupy.cpu as cpu_kernels
+from kernels_cupy.cpu.fused import load_fused
+from kernels_cupy.cpu.qgemm import load_qgemm
 from kernels_cupy.cpu.stack import load_stack
 from tests.cpu_support import built
 from tests.tiny import hf_model, random_prompts, run_all
@@ -151,3 +154,19 @@ def test_stack_refuses_a_model_it_cannot_run(stack_kernel: Any) -> None:
     assert DecodeStack.build(stack_kernel, model.layers, 4, 4, 16, 1e-5) is None
     with pytest.raises(RuntimeError, match="26 tensors"):
         stack_kernel.Stack([None] * 25, [0] * 4, [16] * 4, [0] * 4, 4, 4, 16, 1e-5)
+
+
+def test_the_stack_is_bound_to_the_kernel_modules_own_tables(stack_kernel: Any) -> None:
+    """The stack runs the GEMM, attention and fused-ops modules' functions (kernel_api.h): bind checks that each
+    capsule is the table it names, and a wrong one changes nothing (the stack still runs as the modules do)."""
+    gemm, attention, fused = load_qgemm(), cpu_kernels.load(), load_fused()
+    assert gemm is not None and attention is not None and fused is not None
+    with pytest.raises(RuntimeError, match="kernel_api.Gemm"):
+        stack_kernel.bind(fused.api(), attention.api(), gemm.api())  # the right capsules in the wrong places
+    with pytest.raises(RuntimeError, match="kernel_api.Fused"):
+        stack_kernel.bind(gemm.api(), attention.api(), attention.api())
+    hf = hf_model(seed=4)
+    got, tokens_a, calls = _record(_engine(hf, "int4"), use_stack=True)
+    want, tokens_b, _ = _record(_engine(hf, "int4"), use_stack=False)
+    assert calls > 0 and tokens_a == tokens_b and len(got) == len(want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -59,4 +59,4 @@ def test_the_reader_follows_includes_through_other_files(tmp_path: Path) -> None
     (tmp_path / "c.h").write_text('#include "gone.h"\n')
     with pytest.raises(FileNotFoundError, match="gone.h"):
         includes(tmp_path / "a.cpp")
-    assert (_DIR / "torch_api.h") in includes(_DIR / "decode_stack.cpp")  # through qgemm.cpp, not directly
+    assert (_DIR / "lora_rows.h") in includes(_DIR / "qgemm.cpp")  # through lora_add.h, not directly

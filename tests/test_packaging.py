@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parents[1]
-# The quantized linear and the attention kernel (the decode stack builds from the same files): one process each,
+# The quantized linear and the attention kernel (the decode stack calls these modules' kernels): one process each,
 # run side by side, since each build compiles one file on one core.
 _CHECK = """
 import sys, kernels_cupy.cpu as cpu

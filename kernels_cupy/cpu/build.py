@@ -55,13 +55,13 @@ def extensions_root() -> Path:
     return Path(base) / "kvgate"
 
 
-# The flags of the builds that use this CPU's own instruction set (the attention kernel, and the decode stack that
-# compiles it with the GEMMs in one unit). -mtune=generic: -march=native alone also tunes for this CPU, and GCC 12's
-# znver3 tuning (what it makes of a Zen 3 or Zen 4) ran the VNNI lane kernel 25-40% slower than the generic tuning
-# the GEMM module is built and measured with (bench/qgemm16_harness.cpp, Zen 4: 4-bit, 512 rows, qkv 69 -> 52
-# GMAC/s, down 79 -> 47), so every prefill and decode step through the stack paid it; attention measured the same
-# either way (bench/RESULTS.md, twenty-third session). -ffp-contract=off in every CPU kernel build: the stack must
-# round exactly as the modules it compiles again.
+# The flags of the build that uses this CPU's own instruction set (the attention kernel). -mtune=generic:
+# -march=native alone also tunes for this CPU, and GCC 12's znver3 tuning (what it makes of a Zen 3 or Zen 4) ran
+# the VNNI lane kernel 25-40% slower than the generic tuning the GEMM module is built and measured with, back when
+# the decode stack compiled the GEMMs with these flags (bench/build_tuning.py; the stack now calls the modules'
+# own kernels: kernel_api.h). Attention measured the same either way (bench/RESULTS.md, twenty-third session).
+# -ffp-contract=off in every CPU kernel build: no fused multiply-add the source does not write, so the scalar,
+# AVX2 and AVX-512 paths round alike.
 NATIVE_CFLAGS = ("-O3", "-march=native", "-mtune=generic", "-ffp-contract=off", "-fopenmp")
 
 _CPUINFO = Path("/proc/cpuinfo")

@@ -2,10 +2,11 @@
 // kernel calls a layer (360 a step), ~4 ms of dispatch against ~7 ms of arithmetic. Here the same kernels run in
 // the same order with the same arithmetic, called from C++ with the GIL released.
 //
-// One translation unit: the kernels' own sources are included (their Python modules compiled out with
-// KVGATE_ONE_TU), so this module needs nothing from the others at run time and cannot drift from them.
-// Built with the union of their flags: -march=native (the decode attention's AVX2 body), -ffp-contract=off
-// (rope rounds like torch's), OpenMP. The quantized GEMM still picks its instruction set at run time.
+// The kernels are the other modules' own: each hands out a table of function pointers (kernel_api.h), bound
+// once by `bind` (kernels_cupy/cpu/stack.py), so the stack runs the module path's machine code, with its
+// instruction-set choice, and cannot drift from it. (It used to compile their sources again in one unit, with the
+// attention's -march=native, which made its GEMMs slower than the module's: kernel_api.h.) This unit is glue only:
+// no kernel of its own, built without -march=native.
 //
 // Every row attends as a decode row (row j of a prompt chunk sees the context up to itself, through the paged
 // kernel), and every kernel's result for a row is independent of the other rows of the step, so prefill chunks,
@@ -14,17 +15,31 @@
 // against the module path by tests/test_decode_stack.py.
 //
 // LoRA: a step may carry adapter groups (rows of the flat batch and the adapter they run). After each projection
-// the stack calls lora_add (lora_add.h) with exactly the arguments workers/lora/batch.py's module path passes it,
-// so a row's bits are the same on both paths (tests/test_lora_stack.py); the adapters' weights are held by
-// reference in a LoraAdapter built once per adapter load (workers/models/decode_stack.py caches it).
-#define KVGATE_ONE_TU 1
-#include "qgemm.cpp"
-#include "paged_decode.cpp"
-#include "fused_ops.cpp"
+// the stack calls lora_add (lora_add.h, through the GEMM module's table) with exactly the arguments
+// workers/lora/batch.py's module path passes it, so a row's bits are the same on both paths
+// (tests/test_lora_stack.py); the adapters' weights are held by reference in a LoraAdapter built once per adapter
+// load (workers/models/decode_stack.py caches it).
+#include "kernel_api.h"
+#include "torch_api.h"
 
+#include <memory>
 #include <vector>
 
 namespace decode_stack {
+
+// The kernel modules' tables, set once by bind() before any Stack is built (stack.py's load_stack).
+static const kernel_api::Gemm* g_gemm = nullptr;
+static const kernel_api::Attention* g_attn = nullptr;
+static const kernel_api::Fused* g_fused = nullptr;
+
+// gemm, attention, fused: the `api()` capsules of kvgate_cpu_qgemm, kvgate_cpu_paged_decode, kvgate_cpu_fused_ops.
+// All three checked before any is set: a wrong capsule changes nothing.
+void bind(const pybind11::capsule& gemm, const pybind11::capsule& attention, const pybind11::capsule& fused) {
+  const auto* g = kernel_api::import_api<kernel_api::Gemm>(gemm, kernel_api::kGemmApi);
+  const auto* a = kernel_api::import_api<kernel_api::Attention>(attention, kernel_api::kAttentionApi);
+  const auto* f = kernel_api::import_api<kernel_api::Fused>(fused, kernel_api::kFusedApi);
+  g_gemm = g, g_attn = a, g_fused = f;
+}
 
 // One projection: GGUF-style blocks (bits 4 or 8, the qgemm kernel, activations at act_bits 8 or 16) or an fp32
 // weight (bits 0, the fixed-order fp32 kernel flinear): the same calls as the module path's BlockLinear and
@@ -36,10 +51,10 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
     const c10::optional<torch::Tensor> b = bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-    if (bits == 0) return flinear(x.contiguous(), dense, b);
+    if (bits == 0) return g_gemm->flinear(x.contiguous(), dense, b);
     const c10::optional<torch::Tensor> m = wm.defined() ? c10::optional<torch::Tensor>(wm) : c10::nullopt;
     const c10::optional<torch::Tensor> mt = wmt.defined() ? c10::optional<torch::Tensor>(wmt) : c10::nullopt;
-    return qlinear(x, wq, wd, m, b, bits, mt, act_bits, wlanes);
+    return g_gemm->qlinear(x, wq, wd, m, b, bits, mt, act_bits, wlanes);
   }
 };
 
@@ -108,7 +123,7 @@ struct LoraStep {
       a.push_back(p.a);
       scale.push_back(adapters[g]->scale());
     }
-    if (!rs.empty()) lora_add(x.contiguous(), y, rs, a, scale, s_group, s_cols, b);
+    if (!rs.empty()) g_gemm->lora_add(x.contiguous(), y, rs, a, scale, s_group, s_cols, b);
   }
 };
 
@@ -121,6 +136,8 @@ class Stack {
         const std::vector<int64_t>& act_bits, const std::vector<int64_t>& wlanes, int64_t hq, int64_t hkv,
         int64_t head_dim, double eps)
       : hq_(hq), hkv_(hkv), d_(head_dim), eps_(eps) {
+    TORCH_CHECK(g_gemm != nullptr && g_attn != nullptr && g_fused != nullptr,
+                "bind() the kernel modules' tables before building a Stack");
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && head_dim > 0 && head_dim % 2 == 0, "bad head layout");
     TORCH_CHECK(tensors.size() % 26 == 0 && bits.size() * 26 == tensors.size() * 4 && act_bits.size() == bits.size() &&
                     wlanes.size() == bits.size(),
@@ -187,14 +204,14 @@ class Stack {
                           const LoraStep& lora) const {
     const Layer& ly = layers_[l];
     const int64_t t = x.size(0), qw = hq_ * d_, kw = hkv_ * d_;
-    torch::Tensor h = rms_norm(x, prev, ly.norm1, eps_);  // (T, H)
+    torch::Tensor h = g_fused->rms_norm(x, prev, ly.norm1, eps_);  // (T, H)
     torch::Tensor qkv = ly.qkv(h);                        // (T, (Hq + 2 Hkv) D)
     lora.add(l, kQkv, h, qkv);
-    rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
-    write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}), k_cache,
+    g_fused->rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
+    g_attn->write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}), k_cache,
              v_cache, slots);
     torch::Tensor q = qkv.narrow(1, 0, qw).reshape({t, hq_, d_}).contiguous();  // (T, Hq, D)
-    torch::Tensor attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({t, qw});  // (T, Hq D)
+    torch::Tensor attn = g_attn->paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({t, qw});  // (T, Hq D)
     torch::Tensor a = ly.o(attn);  // (T, H)
     lora.add(l, kO, attn, a);
     return a;
@@ -203,10 +220,10 @@ class Stack {
   // Layer l's MLP block on x += a (inside the norm, as the module path's rms_norm does): down_proj's output (T, H).
   torch::Tensor mlp(size_t l, torch::Tensor& x, const torch::Tensor& a, const LoraStep& lora) const {
     const Layer& ly = layers_[l];
-    torch::Tensor h = rms_norm(x, a, ly.norm2, eps_);  // (T, H)
+    torch::Tensor h = g_fused->rms_norm(x, a, ly.norm2, eps_);  // (T, H)
     torch::Tensor gate_up = ly.gate_up(h);            // (T, 2 I)
     lora.add(l, kGateUp, h, gate_up);
-    torch::Tensor act = silu_mul(gate_up);  // (T, I)
+    torch::Tensor act = g_fused->silu_mul(gate_up);  // (T, I)
     torch::Tensor out = ly.down(act);       // (T, H)
     lora.add(l, kDown, act, out);
     return out;
@@ -220,6 +237,8 @@ class Stack {
 }  // namespace decode_stack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bind", &decode_stack::bind, "the kernel modules' api() capsules: GEMM, attention, fused ops (once)",
+        pybind11::arg("gemm"), pybind11::arg("attention"), pybind11::arg("fused"));
   pybind11::class_<decode_stack::LoraAdapter, std::shared_ptr<decode_stack::LoraAdapter>>(m, "LoraAdapter")
       .def(pybind11::init<double, const std::vector<c10::optional<torch::Tensor>>&,
                           const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&>())
@@ -236,5 +255,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("sin"), pybind11::arg("scale"),
            pybind11::arg("lora_adapters") = std::vector<std::shared_ptr<decode_stack::LoraAdapter>>(),
            pybind11::arg("lora_rows") = std::vector<torch::Tensor>());
-  m.def("isa", &isa, "the quantized GEMM's instruction-set path chosen at run time");
 }

@@ -28,10 +28,11 @@ def load_fused() -> Any | None:
     try:
         from kernels_cupy.cpu.build import load_extension
 
-        # -ffp-contract=off: no fused multiply-adds, so rope rounds like the torch reference, op for op.
+        # -ffp-contract=off: no fused multiply-adds, so rope rounds like the torch reference, op for op. OpenMP:
+        # at::parallel_for is inline OpenMP, so without it the ops run on one thread (the decode stack calls these).
         src, *headers = fused_files()
-        return load_extension("kvgate_cpu_fused_ops", [src], headers=headers, cflags=["-O3", "-ffp-contract=off"],
-                              ldflags=[])
+        return load_extension("kvgate_cpu_fused_ops", [src], headers=headers,
+                              cflags=["-O3", "-ffp-contract=off", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
         log.warning("fused CPU ops unavailable (%s); using the torch reference ops", e)
         return None

@@ -3,6 +3,7 @@
 // Each function body is compiled twice by gcc's target_clones, for AVX2 and for the baseline ISA, and the
 // loader picks the clone at run time from the CPU's features (an ifunc), so one binary runs everywhere.
 // References in torch: workers/models/fused.py; tests/test_fused_ops.py compares the two.
+#include "kernel_api.h"
 #include "torch_api.h"
 #include <cmath>
 #include <cstdlib>
@@ -204,11 +205,14 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
+// The decode stack's way in (rms_norm, rope_ and silu_mul as this module built them): kernel_api.h.
+static const kernel_api::Fused kApiTable{&rms_norm, &rope_, &silu_mul};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("api", [] { return kernel_api::export_api(&kApiTable, kernel_api::kFusedApi); },
+        "this module's kernels for the decode stack (kernel_api.h)");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (after x += delta, in place, where given)");
   m.def("rope_", &rope_, "rotary embedding of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of (S, V) fp32 rows");
 }
-#endif

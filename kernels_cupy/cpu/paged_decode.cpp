@@ -11,6 +11,7 @@
 // consecutive rows of one sequence (a prefill chunk) too, so every K/V row loaded serves all of them. Items
 // are (row group, KV head), or (row group, KV head, chunk) where there are too few groups to keep the threads
 // busy, handed out dynamically. Two passes per chunk: scores, then softmax-weighted V sum.
+#include "kernel_api.h"
 #include "torch_api.h"
 
 #include <immintrin.h>
@@ -478,10 +479,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 #include "kv_write.h"  // write_kv: the step's K/V rows into their cache slots, every cache dtype
 
-#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
+// The decode stack's way in (write_kv and paged_decode as this module built them): kernel_api.h.
+static const kernel_api::Attention kApiTable{&write_kv, &paged_decode};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("api", [] { return kernel_api::export_api(&kApiTable, kernel_api::kAttentionApi); },
+        "this module's kernels for the decode stack (kernel_api.h)");
   m.def("write_kv", &write_kv, "the step's K/V rows into their cache slots: fp32, bf16 or int8 (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU, fp32 queries)");
   m.def("set_kv_isa", &set_kv_isa, "attention body and int8 KV path: auto, avx512, avx2 or scalar; returns the one chosen");
 }
-#endif

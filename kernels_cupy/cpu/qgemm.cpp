@@ -1,4 +1,5 @@
 // torch binding of the block-quantized GEMM (qgemm_core.h): the linear layer of `--quantization int8|int4`.
+#include "kernel_api.h"
 #include "torch_api.h"
 
 #include "qgemm_core.h"
@@ -124,8 +125,12 @@ torch::Tensor pack_lanes(const torch::Tensor& wq, int64_t K) {
 
 std::string isa() { return qgemm::isa_name(qgemm::isa()); }
 
-#ifndef KVGATE_ONE_TU  // decode_stack.cpp includes this file for its functions, not its module
+// The decode stack's way in (qlinear, flinear and lora_add as this module built them): kernel_api.h.
+static const kernel_api::Gemm kApiTable{&qlinear, &flinear, &lora_add};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("api", [] { return kernel_api::export_api(&kApiTable, kernel_api::kGemmApi); },
+        "this module's kernels for the decode stack (kernel_api.h)");
   m.def("qlinear", &qlinear, "x @ W^T with W in 4/8-bit blocks of 32 (CPU)", py::arg("x"), py::arg("wq"),
         py::arg("wd"), py::arg("wm"), py::arg("bias"), py::arg("bits"), py::arg("wmt") = py::none(),
         py::arg("act_bits") = 8, py::arg("wlanes") = false);
@@ -140,4 +145,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("y"), py::arg("rows"), py::arg("a"), py::arg("scale"), py::arg("s_group"),
         py::arg("s_cols"), py::arg("b"));
 }
-#endif

@@ -1,6 +1,6 @@
-"""The decode-step layer stack (``decode_stack.cpp``): every decoder layer of a decode-only step in one C++
-call, built from the other CPU kernels' own sources like them (``build.py``). ``KVGATE_CPU_KERNEL=0`` or
-``KVGATE_DECODE_STACK=0`` switches it off (the model's module path runs every step instead)."""
+"""The decode-step layer stack (``decode_stack.cpp``): every decoder layer of a step in one C++ call, running the
+other CPU kernel modules' own functions (their ``api()`` tables, kernel_api.h), so it needs all three built.
+``KVGATE_CPU_KERNEL=0`` or ``KVGATE_DECODE_STACK=0`` switches it off (the model's module path runs every step)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,22 @@ def load_stack() -> Any | None:
     if os.environ.get("KVGATE_CPU_KERNEL", "1") == "0" or os.environ.get("KVGATE_DECODE_STACK", "1") == "0":
         return None
     try:
-        from kernels_cupy.cpu.build import NATIVE_CFLAGS, load_extension
+        from kernels_cupy.cpu import load as load_attention
+        from kernels_cupy.cpu.build import load_extension
+        from kernels_cupy.cpu.fused import load_fused
+        from kernels_cupy.cpu.qgemm import load_qgemm
 
-        # decode_stack.cpp compiles the three kernels' sources in one unit: they and their headers are its includes.
-        # The attention's native flags, generic tuning included (build.py: the GEMMs' speed depends on it).
+        gemm, attention, fused = load_qgemm(), load_attention(), load_fused()
+        if gemm is None or attention is None or fused is None:
+            missing = [name for name, mod in (("quantized GEMM", gemm), ("paged attention", attention),
+                                              ("fused ops", fused)) if mod is None]
+            raise RuntimeError(f"the stack runs their kernels, and these are not built: {', '.join(missing)}")
+        # Glue only (the kernels are the modules'): no -march=native, no OpenMP of its own.
         src, *included = build_files(_DIR / "decode_stack.cpp")
-        return load_extension("kvgate_cpu_decode_stack", [src], headers=included, cflags=list(NATIVE_CFLAGS),
-                              ldflags=["-fopenmp"])
+        mod = load_extension("kvgate_cpu_decode_stack", [src], headers=included, cflags=["-O3", "-ffp-contract=off"],
+                             ldflags=[])
+        mod.bind(gemm.api(), attention.api(), fused.api())
+        return mod
     except Exception as e:  # noqa: BLE001 - any build failure means: the module path runs
         log.warning("CPU decode stack unavailable (%s); decode steps run the model's modules", e)
         return None
