@@ -205,13 +205,14 @@ class Stack {
     const Layer& ly = layers_[l];
     const int64_t t = x.size(0), qw = hq_ * d_, kw = hkv_ * d_;
     torch::Tensor h = g_fused->rms_norm(x, prev, ly.norm1, eps_);  // (T, H)
-    torch::Tensor qkv = ly.qkv(h);                        // (T, (Hq + 2 Hkv) D)
+    torch::Tensor qkv = ly.qkv(h);                                 // (T, (Hq + 2 Hkv) D)
     lora.add(l, kQkv, h, qkv);
     g_fused->rope_(qkv, cos, sin, positions, hq_ + hkv_, d_);
-    g_attn->write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}), k_cache,
-             v_cache, slots);
+    g_attn->write_kv(qkv.narrow(1, qw, kw).view({t, hkv_, d_}), qkv.narrow(1, qw + kw, kw).view({t, hkv_, d_}),
+                     k_cache, v_cache, slots);
     torch::Tensor q = qkv.narrow(1, 0, qw).reshape({t, hq_, d_}).contiguous();  // (T, Hq, D)
-    torch::Tensor attn = g_attn->paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({t, qw});  // (T, Hq D)
+    torch::Tensor attn =
+        g_attn->paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({t, qw});  // (T, Hq D)
     torch::Tensor a = ly.o(attn);  // (T, H)
     lora.add(l, kO, attn, a);
     return a;
@@ -221,7 +222,7 @@ class Stack {
   torch::Tensor mlp(size_t l, torch::Tensor& x, const torch::Tensor& a, const LoraStep& lora) const {
     const Layer& ly = layers_[l];
     torch::Tensor h = g_fused->rms_norm(x, a, ly.norm2, eps_);  // (T, H)
-    torch::Tensor gate_up = ly.gate_up(h);            // (T, 2 I)
+    torch::Tensor gate_up = ly.gate_up(h);                         // (T, 2 I)
     lora.add(l, kGateUp, h, gate_up);
     torch::Tensor act = g_fused->silu_mul(gate_up);  // (T, I)
     torch::Tensor out = ly.down(act);       // (T, H)

@@ -3,9 +3,9 @@
 //
 // Why not compile the kernels' sources into the stack again: that unit needed the attention's -march=native, and
 // the GEMMs built that way ran slower than the GEMM module's own build (GCC 12 on a Zen 4: 25-40% with the CPU's
-// tuning, 3-5% with generic tuning: bench/build_tuning.py); a second copy also had its own instruction-set choice
-// (KVGATE_QGEMM_ISA, set_isa in tests) and took most of a minute to compile. Through these tables a row's bits
-// are the module path's by construction, and a kernel's dispatch state has one owner.
+// tuning, 3-5% with generic tuning: bench/build_tuning.py); a second copy also had its own dispatch state (the
+// attention module's set_kv_isa did not reach the stack's copy) and took most of a minute to compile. Through
+// these tables a row's bits are the module path's by construction, and a kernel's dispatch state has one owner.
 //
 // Each table is a plain struct of pointers to the functions with the signatures below; a capsule is named after
 // its table (kGemmApi, ...) so the stack refuses one from the wrong module. The modules are loaded once and never
@@ -14,6 +14,7 @@
 
 #include "torch_api.h"
 
+#include <string>
 #include <vector>
 
 namespace kernel_api {
