@@ -21,7 +21,9 @@ _CHECK = """
 import sys, kernels_cupy.cpu as cpu
 from kernels_cupy.cpu.qgemm import load_qgemm
 assert cpu.__file__.startswith(sys.argv[1]), cpu.__file__  # the installed copy, not the checkout
-print(sys.argv[2], (load_qgemm if sys.argv[2] == "qgemm" else cpu.load)() is not None)
+from kernels_cupy.cpu.stack import load_stack
+loaders = {"qgemm": load_qgemm, "attention": cpu.load, "stack": load_stack}
+print(sys.argv[2], loaders[sys.argv[2]]() is not None)
 """
 _KERNELS = ("qgemm", "attention")
 # Not copied for the build: setuptools builds in the source tree (build/, *.egg-info), so it gets a copy.
@@ -29,7 +31,7 @@ _SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycach
                                "node_modules", "kvgate.db*")
 
 
-@pytest.mark.timeout(1800)  # two kernel builds from the installed sources: minutes on a slow, loaded CPU
+@pytest.mark.timeout(1800)  # four kernel builds from the installed sources: minutes on a slow, loaded CPU
 def test_the_wheel_carries_and_runs_the_cpu_kernels(tmp_path: Path) -> None:
     src, wheels = tmp_path / "src", tmp_path / "wheels"
     shutil.copytree(_REPO, src, ignore=_SKIP)
@@ -54,3 +56,7 @@ def test_the_wheel_carries_and_runs_the_cpu_kernels(tmp_path: Path) -> None:
         for kernel, out in zip(_KERNELS, pool.map(check, _KERNELS)):
             assert out.returncode == 0, out.stderr[-3000:]
             assert f"{kernel} True" in out.stdout, out.stdout + out.stderr[-3000:]
+    # Then the decode stack, which binds the kernel modules' tables (kernel_api.h): it builds the fused ops and
+    # its own glue, and loads the two above from the same build cache.
+    out = check("stack")
+    assert out.returncode == 0 and "stack True" in out.stdout, out.stdout + out.stderr[-3000:]
