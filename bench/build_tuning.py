@@ -4,22 +4,22 @@ and with ``-march=native`` alone, timed in one sitting.
 Why: the decode stack, which runs every prefill and decode step's GEMMs, used to compile its own copy of the kernel
 with the attention's native flags. On a Zen 4 with GCC 12, ``-march=native`` alone (tuned for znver3) ran the VNNI
 lane kernel 25-40% slower than the GEMM module's build, and nothing but a step's time showed it; with generic
-tuning it was still 3-5% slower (bench/RESULTS.md, twenty-third session). The stack now calls the GEMM module's own
+tuning it was still up to 5% slower (bench/RESULTS.md, twenty-third session). The stack now calls the GEMM module's own
 kernel (kernels_cupy/cpu/kernel_api.h). Run this before building any kernel with native flags on a new CPU or
 compiler.
 
     .venv/bin/python bench/build_tuning.py [--bits 4] [--rounds 3] [--isa vnni256]
 
 Compiles ``bench/qgemm16_harness.cpp`` (one thread, in cache, every result checked bit for bit against the scalar
-reference; the packed codes' rate, which a model runs, where the path has one) once per flag set, runs them alternately ``--rounds`` times, and prints each (shape, M)'s best GMAC/s per
-build and its ratio to the module's build. ``--isa`` sets ``KVGATE_QGEMM_ISA`` (default: the run-time pick).
+reference; the packed codes' rate, which a model runs, where the path has one) once per flag set, runs them
+alternately ``--rounds`` times, and prints each (shape, M)'s best GMAC/s per build and its ratio to the module's
+build. ``--isa`` sets ``KVGATE_QGEMM_ISA`` (default: the run-time pick).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,21 +27,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 from kernels_cupy.cpu.build import NATIVE_CFLAGS  # noqa: E402
+from peer_servers import cpu_line  # noqa: E402
 
 BUILDS = {  # name -> compiler flags (OpenMP left out: the harness is one thread)
     "module": ["-O3", "-ffp-contract=off"],
-    "native (kept)": [f for f in NATIVE_CFLAGS if f != "-fopenmp"],
+    "native (attention's flags)": [f for f in NATIVE_CFLAGS if f != "-fopenmp"],
     "native, CPU tuning": ["-O3", "-march=native", "-ffp-contract=off"],
 }
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    keep = [ln.split(":", 1)[1].strip() for ln in out.splitlines()
-            if ln.split(":", 1)[0] in ("Model name", "CPU family", "Model")]
-    return ", ".join(keep) or platform.processor()
 
 
 def run(binary: Path, bits: int, env: dict[str, str]) -> dict[tuple[int, int, int], float]:
@@ -76,7 +71,7 @@ def main() -> None:
             for name, binary in bins.items():
                 for key, rate in run(binary, args.bits, env).items():
                     best[name][key] = max(best[name].get(key, 0.0), rate)
-    print(f"CPU: {cpu_name()}; {args.bits}-bit weights; KVGATE_QGEMM_ISA={args.isa or '(run-time pick)'}; "
+    print(f"CPU: {cpu_line()}; {args.bits}-bit weights; KVGATE_QGEMM_ISA={args.isa or '(run-time pick)'}; "
           f"best of {args.rounds} alternating rounds, GMAC/s (one thread)\n")
     names = list(BUILDS)
     print("| (N, K) | M | " + " | ".join(names) + " | " + " | ".join(f"{n} / module" for n in names[1:]) + " |")

@@ -3,7 +3,7 @@
 //
 // Why not compile the kernels' sources into the stack again: that unit needed the attention's -march=native, and
 // the GEMMs built that way ran slower than the GEMM module's own build (GCC 12 on a Zen 4: 25-40% with the CPU's
-// tuning, 3-5% with generic tuning: bench/build_tuning.py); a second copy also had its own dispatch state (the
+// tuning, up to 5% with generic tuning: bench/build_tuning.py); a second copy also had its own dispatch state (the
 // attention module's set_kv_isa did not reach the stack's copy) and took most of a minute to compile. Through
 // these tables a row's bits are the module path's by construction, and a kernel's dispatch state has one owner.
 //
