@@ -53,13 +53,18 @@ def run(binary: Path, bits: int, env: dict[str, str]) -> dict[tuple[int, int, in
     return rates
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def harness_args(doc: str) -> tuple[argparse.Namespace, dict[str, str]]:
+    """The harness benches' command line (--bits, --rounds, --isa) and the environment the harness runs in."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--isa", default="", help="KVGATE_QGEMM_ISA for the harness (default: the run-time pick)")
     args = ap.parse_args()
-    env = dict(os.environ, **({"KVGATE_QGEMM_ISA": args.isa} if args.isa else {}))
+    return args, dict(os.environ, **({"KVGATE_QGEMM_ISA": args.isa} if args.isa else {}))
+
+
+def main() -> None:
+    args, env = harness_args(__doc__ or "")
     with tempfile.TemporaryDirectory() as tmp:
         bins = {}
         for i, (name, flags) in enumerate(BUILDS.items()):
