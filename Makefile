@@ -64,7 +64,8 @@ generate: setup
 
 # Two passes. Most tests run in TEST_JOBS processes (pytest-xdist): one process left the second core idle about
 # 40% of the time (compiles, process starts, fuzzers are single-threaded). A module's tests stay in one process
-# (--dist loadscope), so a module-scoped server or model starts once, not once per process. The tests marked
+# (--dist loadscope), so a module-scoped server or model starts once, not once per process; modules go out in
+# collection order (--no-loadscope-reorder), which tests/conftest.py starts with the longest ones. The tests marked
 # `serial` are judged by timing (deadlines of a few seconds, latencies against a baseline, a weighted share of
 # tokens): another process's load between their measurements would move the verdict, so they run afterwards, one
 # at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes. Three
@@ -79,7 +80,7 @@ TEST_JOBS ?= 2
 TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 test: $(STAMP) redis-server postgresql chromium
 	$(MAKE) --no-print-directory -j 2 kernels typecheck bytecode
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope -m "not serial" --durations=30
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=30
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -m serial --durations=10
 
 typecheck: $(STAMP)

@@ -12,9 +12,27 @@
 Importing a support module starts nothing: each service starts when a test first asks for its fixture.
 """
 
+import pytest
+
 pytest_plugins = [
     "tests.test_gateway_support",
     "tests.test_browser_support",
     "tests.redis_support",
     "tests.postgres_support",
 ]
+
+# The modules that keep one pytest process busy for a minute or more (each CI log's --durations), in that order.
+# `make test` hands whole modules to its two processes in collection order (--dist loadscope
+# --no-loadscope-reorder); putting these first lets the short ones fill in at the end, so the two processes finish
+# together. xdist's own reorder (most tests first) sent the one-test wheel build and the drills last, and one
+# process waited ~80 s on the other. A scheduling hint only: a module missing here just runs in its usual place.
+_LONG_MODULES = (
+    "test_gateway_http.py", "test_chaos_restarts.py", "test_batch_api.py", "test_packaging.py",
+    "test_determinism.py", "test_golden_smollm2.py", "test_worker_liveness.py", "test_quantization.py",
+    "test_kernels_compile.py", "test_chaos_batches.py", "test_chaos_input.py", "test_chaos_clients.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order is kept
