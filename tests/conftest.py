@@ -21,7 +21,7 @@ pytest_plugins = [
     "tests.postgres_support",
 ]
 
-# The modules that keep one pytest process busy for a minute or more (each CI log's --durations), in that order.
+# The longest modules, longest first: 25 to 80 s of one pytest process each (each CI log's --durations).
 # `make test` hands whole modules to its two processes in collection order (--dist loadscope
 # --no-loadscope-reorder); putting these first lets the short ones fill in at the end, so the two processes finish
 # together. xdist's own reorder (most tests first) sent the one-test wheel build and the drills last, and one
