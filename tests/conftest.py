@@ -21,7 +21,7 @@ pytest_plugins = [
     "tests.postgres_support",
 ]
 
-# The longest modules, longest first: 25 to 80 s of one pytest process each (each CI log's --durations).
+# The longest modules, longest first: 24 to 80 s of one pytest process each (each CI log's --durations).
 # `make test` hands whole modules to its two processes in collection order (--dist loadscope
 # --no-loadscope-reorder); putting these first lets the short ones fill in at the end, so the two processes finish
 # together. xdist's own reorder (most tests first) sent the one-test wheel build and the drills last, and one
