@@ -19,6 +19,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,23 @@ from workers.models.scoring import sequence_logits
 TEXT = Path(__file__).with_name("data") / "quality_text.txt"
 
 
+def text_ids(model: str) -> list[int]:
+    """The shipped quality text as the model's token ids."""
+    from transformers import AutoTokenizer
+
+    ids: list[int] = AutoTokenizer.from_pretrained(resolve(model).directory).encode(TEXT.read_text())
+    return ids
+
+
+def mode_model(model: str, mode: str, max_model_len: int) -> Any:
+    """The model built as the engine builds it under --quantization mode."""
+    files = resolve(model)
+    cfg = EngineConfig(ModelConfig(model, quantization=mode, max_model_len=max_model_len))
+    built, _ = build_model(LlamaConfig.from_hf(read_config(files.directory)), dict(load_state_dict(files.directory)),
+                           cfg, gguf_source(model))
+    return built
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -42,17 +60,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from transformers import AutoTokenizer
-
-    files = resolve(a.model)
-    ids = AutoTokenizer.from_pretrained(files.directory).encode(TEXT.read_text())
-    llama_cfg = LlamaConfig.from_hf(read_config(files.directory))
-    sd = load_state_dict(files.directory)
+    ids = text_ids(a.model)
     target = torch.tensor(ids[1:])
     base: torch.Tensor | None = None
     for mode in a.modes.split(","):
-        cfg = EngineConfig(ModelConfig(a.model, quantization=mode, max_model_len=len(ids) + 1))
-        model, _ = build_model(llama_cfg, dict(sd), cfg, gguf_source(a.model))
+        model = mode_model(a.model, mode, len(ids) + 1)
         for kv in a.kv.split(","):
             t0 = time.perf_counter()
             logits = sequence_logits(model, ids, default_backend(torch.device("cpu")), chunk=a.chunk,
