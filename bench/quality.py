@@ -15,6 +15,7 @@ weights ``none`` runs, the GGUF de-quantized); the ``-a8`` modes (llama.cpp's nu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -42,12 +43,18 @@ def text_ids(model: str) -> list[int]:
     return ids
 
 
+@functools.lru_cache(maxsize=1)
+def _weights(model: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The model's config and state dict, read once for every mode built from them."""
+    directory = resolve(model).directory
+    return LlamaConfig.from_hf(read_config(directory)), load_state_dict(directory)
+
+
 def mode_model(model: str, mode: str, max_model_len: int) -> Any:
     """The model built as the engine builds it under --quantization mode."""
-    files = resolve(model)
+    llama_cfg, sd = _weights(model)
     cfg = EngineConfig(ModelConfig(model, quantization=mode, max_model_len=max_model_len))
-    built, _ = build_model(LlamaConfig.from_hf(read_config(files.directory)), dict(load_state_dict(files.directory)),
-                           cfg, gguf_source(model))
+    built, _ = build_model(llama_cfg, dict(sd), cfg, gguf_source(model))  # a dict of its own: the cached one is shared
     return built
 
 
