@@ -17,9 +17,7 @@ f32 so only the weights and the inference precision differ); kvgate's modes run 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peer_openvino import add_ov_args, check_ov_args, run_openvino  # noqa: E402
 from quality import mode_model, text_ids  # noqa: E402
 
 from workers.engine_build import default_backend  # noqa: E402
@@ -53,30 +52,18 @@ print("@@" + json.dumps({"perplexity": ppl, "top1": logits.argmax(-1).tolist()})
 
 def openvino_scores(python: str, model: str, props: dict[str, str], ids: list[int]) -> tuple[float, torch.Tensor]:
     """(perplexity, argmax per position) of the IR under these CPU plugin properties."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.run([python, "-c", _OV], input=json.dumps({"model": model, "props": props, "ids": ids}) + "\n",
-                              stdout=subprocess.PIPE, stderr=log, text=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("@@"):
-                r = json.loads(line[2:])
-                return float(r["perplexity"]), torch.tensor(r["top1"])
-        log.seek(0)
-        raise RuntimeError(f"OpenVINO run failed ({proc.returncode}): {log.read()[-3000:]}")
+    with tempfile.NamedTemporaryFile("w+", prefix="openvino-quality-", suffix=".log") as log:
+        r = run_openvino(python, {"model": model, "props": props, "ids": ids}, log, script=_OV)
+    return float(r["perplexity"]), torch.tensor(r["top1"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ov-python", default="/tmp/openvino-venv/bin/python")
-    ap.add_argument("--ov-model", default="/tmp/smollm2-ov-int4", help="an optimum-cli export of smollm2")
-    ap.add_argument("--ov-precision", default="default", choices=("default", "f32", "bf16", "f16"),
-                    help="INFERENCE_PRECISION_HINT; default: the CPU plugin's own")
-    ap.add_argument("--ov-property", action="append", default=[], metavar="KEY=VALUE",
-                    help="another CPU plugin property, e.g. DYNAMIC_QUANTIZATION_GROUP_SIZE=0")
+    add_ov_args(ap)
     ap.add_argument("--modes", default="auto", help="kvgate modes to score beside `none` (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    if not Path(a.ov_python).exists() or not (Path(a.ov_model) / "openvino_model.xml").exists():
-        sys.exit(f"need {a.ov_python} and {a.ov_model}/openvino_model.xml: see bench/peer_openvino.py's docstring")
+    check_ov_args(a)
     torch.set_num_threads(a.threads)
     ids = text_ids("smollm2")
     target = torch.tensor(ids[1:])

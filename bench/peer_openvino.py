@@ -115,10 +115,11 @@ print("@@" + json.dumps({"wall_s": dt, "prompt_tokens": sum(len(p) for p in a["p
 """
 
 
-def run_openvino(python: str, cfg: dict[str, Any], log: IO[str]) -> dict[str, Any]:
-    """One generate() of all requests by the CB pipeline in the OpenVINO venv, in a process of its own that exits
-    after it: an idle OpenVINO process left beside kvgate's runs slowed them several-fold on 2 shared cores."""
-    proc = subprocess.run([python, "-c", _OV], input=json.dumps(cfg) + "\n", stdout=subprocess.PIPE, stderr=log,
+def run_openvino(python: str, cfg: dict[str, Any], log: IO[str], script: str = _OV) -> dict[str, Any]:
+    """One run of `script` (default: a generate() of all requests by the CB pipeline) in the OpenVINO venv, cfg on
+    its stdin, its "@@" JSON line back, in a process of its own that exits after it: an idle OpenVINO process left
+    beside kvgate's runs slowed them several-fold on 2 shared cores."""
+    proc = subprocess.run([python, "-c", script], input=json.dumps(cfg) + "\n", stdout=subprocess.PIPE, stderr=log,
                           text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("@@"):
@@ -190,17 +191,29 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
             "mean_common_prefix": sum(prefix) / max(len(prefix), 1), "requests": len(prefix)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def add_ov_args(ap: argparse.ArgumentParser) -> None:
+    """The OpenVINO side's flags: its venv, the export, its precision and other CPU plugin properties."""
     ap.add_argument("--ov-python", default="/tmp/openvino-venv/bin/python")
     ap.add_argument("--ov-model", default="/tmp/smollm2-ov-int4",
-                    help="the optimum-cli export (this file's docstring)")
+                    help="the optimum-cli export (bench/peer_openvino.py's docstring)")
     ap.add_argument("--ov-precision", default="default", choices=("default", "f32", "bf16", "f16"),
                     help="OpenVINO's INFERENCE_PRECISION_HINT; default: the CPU plugin's own")
-    ap.add_argument("--ov-kv-precision", default="default", choices=("default", "u8", "f16", "bf16", "f32"),
-                    help="OpenVINO's KV_CACHE_PRECISION; default: the CPU plugin's own (u8)")
     ap.add_argument("--ov-property", action="append", default=[], metavar="KEY=VALUE",
                     help="another CPU plugin property, e.g. DYNAMIC_QUANTIZATION_GROUP_SIZE=0 (its int8 activations off)")
+
+
+def check_ov_args(a: argparse.Namespace) -> None:
+    """Exits with what to do where the OpenVINO venv or the export is missing."""
+    if not Path(a.ov_python).exists() or not (Path(a.ov_model) / "openvino_model.xml").exists():
+        sys.exit(f"need {a.ov_python} and {a.ov_model}/openvino_model.xml: "
+                 "see the docstring of bench/peer_openvino.py")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_ov_args(ap)
+    ap.add_argument("--ov-kv-precision", default="default", choices=("default", "u8", "f16", "bf16", "f32"),
+                    help="OpenVINO's KV_CACHE_PRECISION; default: the CPU plugin's own (u8)")
     ap.add_argument("--quantization", default="auto", help="kvgate's linear layers (LLM(quantization=...))")
     ap.add_argument("--kv-cache-dtype", default="auto", help="kvgate's KV cache (auto: the model's fp32)")
     ap.add_argument("--requests", type=int, default=32)
@@ -213,9 +226,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args()
-    if not Path(a.ov_python).exists() or not (Path(a.ov_model) / "openvino_model.xml").exists():
-        sys.exit(f"need {a.ov_python} and {a.ov_model}/openvino_model.xml: "
-                 "see the docstring of bench/peer_openvino.py")
+    check_ov_args(a)
     torch.set_num_threads(a.threads)
     plen = tuple(int(x) for x in a.prompt_len.split(","))
     olen = tuple(int(x) for x in (a.max_new.split(",") * 2)[:2])
