@@ -5,8 +5,11 @@
 #
 #   run: bash bench/gpu_session.sh   (WHL_DIR: wheels of what the device image lacks; TOK_DIR: smollm2's tokenizer)
 #   STAGES="kernels attention" bash bench/gpu_session.sh   runs a subset
-#   stages: env prebuild lorastack graphs tests kernels e2e throughput attention serve sanitizer isa
+#   stages: env prebuild lorastack graphs tests kernels check e2e throughput attention serve sanitizer isa peak
 #   isa: the host CPU's SIMD paths (AVX-512 VNNI, AMX where present) against the scalar reference, no GPU needed
+#   peak: bench/isa_peak.py on the host CPU (the multiply-add instructions' peaks, AMX's too, beside the A16 GEMM)
+#   check: e2e's determinism and greedy-token check alone (e2e also measures throughput)
+#   Two copies may run at once (a CPU-only one beside the GPU one) when each has its own SUMMARY file.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 DEVICE=${DEVICE:-cuda}
@@ -16,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 PY=${PY:-python3}
 WHL_DIR=${WHL_DIR:-.whl}  # wheels of what the device image lacks (trio, quart, pyzmq, gguf, llguidance, ...)
 TOK_DIR=${TOK_DIR:-.gpu/tok}  # smollm2's tokenizer files, for the served random-weight model
-SUMMARY=/tmp/gpu_summary.txt
+SUMMARY=${SUMMARY:-/tmp/gpu_summary.txt}  # one per copy of this script running at once
 : >"$SUMMARY"
 
 stage() {  # stage NAME LIMIT_S CMD...: run CMD with a limit, log to $OUT/NAME.log, note rc and seconds
@@ -123,7 +126,7 @@ if want tests; then  # the GPU tests other than the kernel grid: graphs, row ker
     stage tests "${TESTS_LIMIT:-150}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 120 \
         -n "${XDIST:-4}" ${GPU_TESTS:-tests/test_cuda_graphs.py tests/test_rows_cuda.py tests/test_kernels_compile.py}
 fi
-if want e2e; then  # greedy tokens and determinism on the device (fp32, bf16), then tok/s against transformers (bf16)
+if want e2e || want check; then  # greedy tokens and determinism on the device (fp32, bf16), then tok/s against transformers (bf16)
     stage e2e "${CHECK_LIMIT:-75}" "$PY" bench/gpu_e2e.py --device "$DEVICE" \
         --check bench/data/gpu_expect_smollm2.json
 fi
@@ -145,17 +148,20 @@ if want serve; then
 fi
 if want sanitizer; then  # a few small cases under memcheck and racecheck (slow: every launch is instrumented)
     for tool in memcheck racecheck; do
-        stage sanitizer 45 compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -m pytest --noconftest \
+        stage sanitizer "${SANITIZE_LIMIT:-45}" compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -m pytest --noconftest \
             -p no:cacheprovider -q ${SANITIZE_TESTS:-"tests/test_kernels_gpu.py::test_never_reads_unwritten_slots[always]" \
             "tests/test_kernels_gpu.py::test_decode_grid[always-8-2048-smollm2-fp16]"}
     done
 fi
 if want isa; then  # the CPU paths this workplace's 2-core machines may lack, then their tests (tiny models only)
     [ "${ISA_HARNESS:-1}" = 1 ] && stage isa "${ISA_LIMIT:-150}" bash -c isa_check  # ISA_HARNESS=0: tests only
-    stage isa "${ISA_TESTS_LIMIT:-300}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 280 \
+    [ "${ISA_PYTEST:-1}" = 1 ] && stage isa "${ISA_TESTS_LIMIT:-300}" "$PY" -m pytest --noconftest -p no:cacheprovider -q -rfE --timeout 280 \
         -n "${XDIST:-8}" -k "not smollm2" ${ISA_TESTS:-tests/test_qgemm_a16.py tests/test_quantization.py \
         tests/test_fgemm.py tests/test_decode_stack.py tests/test_determinism.py tests/test_cpu_kernel.py \
         tests/test_kv_int8.py tests/test_lora_add_kernel.py}
+fi
+if want peak; then  # one thread per instruction and per GEMM call, so run it while the other cores are quiet-ish
+    stage peak "${PEAK_LIMIT:-180}" "$PY" bench/isa_peak.py --rounds "${PEAK_ROUNDS:-2}"
 fi
 echo "== summary"
 cat "$SUMMARY"

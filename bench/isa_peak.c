@@ -6,8 +6,13 @@
 //
 // Output: one line per instruction (or AVX2 sequence) the CPU has, "name macs_per_step G_steps_per_s"; a step is
 // one instruction, or for the AVX2 sequences the instructions that give one accumulator its 32-bit sums.
+#include <immintrin.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 static double now(void) {
   struct timespec t;
@@ -51,6 +56,44 @@ BENCH(dpbusd_ymm, "avx512vnni,avx512vl", TWELVE("vpdpbusd", "ymm"))
 BENCH(dpwssd_zmm, "avx512vnni,avx512f", TWELVE("vpdpwssd", "zmm"))
 BENCH(dpbusd_zmm, "avx512vnni,avx512f", TWELVE("vpdpbusd", "zmm"))
 
+// AMX: one tile product multiplies a 16 x 64-byte A tile by a 64-byte x 16 B tile into 16 x 16 int32 (or fp32)
+// sums: 16 * 16 * 64 = 16,384 byte multiply-adds for tdpbusd (8-bit quads), 16 * 16 * 32 = 8,192 for tdpbf16ps.
+// Six accumulator tiles (tmm0-5) and two source tiles (tmm6, tmm7); a 12-bit code of the A16 AMX kernel takes two
+// bytes of a product's depth (hi and lo: qgemm_a16_amx.h), so that kernel's own peak is half of tdpbusd's. The tile state must be granted to
+// the process first (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18), as the kernel does.
+struct tilecfg {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+#define SIX(op) op " %%tmm7, %%tmm6, %%tmm0\n\t" op " %%tmm7, %%tmm6, %%tmm1\n\t" op " %%tmm7, %%tmm6, %%tmm2\n\t" \
+  op " %%tmm7, %%tmm6, %%tmm3\n\t" op " %%tmm7, %%tmm6, %%tmm4\n\t" op " %%tmm7, %%tmm6, %%tmm5\n\t"
+#define AMX_BENCH(fn, body)                                                                   \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16"))) static double fn(long n) {          \
+    static const uint8_t zeros[1024] __attribute__((aligned(64)));  /* 16 rows x 64 bytes */ \
+    struct tilecfg c;                                                                         \
+    memset(&c, 0, sizeof c);                                                                  \
+    c.palette = 1;                                                                            \
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;                              \
+    _tile_loadconfig(&c);                                                                     \
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\t"            \
+                     "tilezero %%tmm3\n\ttilezero %%tmm4\n\ttilezero %%tmm5\n\t"             \
+                     "tileloadd (%0,%1,1), %%tmm6\n\ttileloadd (%0,%1,1), %%tmm7" ::"r"(zeros), \
+                     "r"((long)64));                                                          \
+    double t = now();                                                                         \
+    for (long k = 0; k < n; ++k) __asm__ volatile(body ::: "memory");                        \
+    t = now() - t;                                                                            \
+    _tile_release();                                                                         \
+    return n * 6.0 / t / 1e9;                                                                 \
+  }
+AMX_BENCH(amx_dpbusd, SIX("tdpbusd"))
+AMX_BENCH(amx_dpbf16, SIX("tdpbf16ps"))
+
+static int amx_granted(void) {
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+         __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
 int main(void) {
   const long n = 50000000;  // 600 M instructions a line: 0.1-0.5 s
   __builtin_cpu_init();
@@ -63,6 +106,10 @@ int main(void) {
     printf("vpdpbusd-ymm 32 %.3f\n", dpbusd_ymm(n));
     printf("vpdpwssd-zmm 32 %.3f\n", dpwssd_zmm(n));
     printf("vpdpbusd-zmm 64 %.3f\n", dpbusd_zmm(n));
+  }
+  if (amx_granted()) {  // ~16 cycles a tile product: n / 32 keeps the line near the others' time
+    printf("tdpbusd-amx 16384 %.4f\n", amx_dpbusd(n / 32));
+    printf("tdpbf16ps-amx 8192 %.4f\n", amx_dpbf16(n / 32));
   }
   return 0;
 }

@@ -17,6 +17,7 @@ alternately and prints the best of each. ``--isa`` sets ``KVGATE_QGEMM_ISA`` for
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,8 +31,13 @@ from build_tuning import BUILDS, harness_args, run  # noqa: E402
 from peer_servers import cpu_line  # noqa: E402
 
 # The A16 kernel's multiply per path (KVGATE_QGEMM_ISA / the module's isa()), and the 8-bit one beside it.
-SIXTEEN = {"avx2": "vpmaddwd+vpaddd-ymm", "avx512-vnni-ymm": "vpdpwssd-ymm", "avx512-vnni": "vpdpwssd-zmm"}
-EIGHT = {"avx2": "vpmaddubsw+vpmaddwd+vpaddd-ymm", "avx512-vnni-ymm": "vpdpbusd-ymm", "avx512-vnni": "vpdpbusd-zmm"}
+# On AMX a 12-bit code takes two bytes of a tile product's depth (its hi and lo bytes: qgemm_a16_amx.h), so the
+# kernel's peak is tdpbusd's at half the multiply-adds a step (AMX16, derived from the tdpbusd line).
+AMX16 = "tdpbusd-amx, two bytes a 12-bit code"
+SIXTEEN = {"avx2": "vpmaddwd+vpaddd-ymm", "avx512-vnni-ymm": "vpdpwssd-ymm", "avx512-vnni": "vpdpwssd-zmm",
+           "avx512-vnni+amx": AMX16}
+EIGHT = {"avx2": "vpmaddubsw+vpmaddwd+vpaddd-ymm", "avx512-vnni-ymm": "vpdpbusd-ymm", "avx512-vnni": "vpdpbusd-zmm",
+         "avx512-vnni+amx": "tdpbusd-amx"}
 
 
 def peaks(binary: Path) -> dict[str, tuple[int, float]]:
@@ -56,7 +62,8 @@ def main() -> None:
     path = kernel_isa(env)
     with tempfile.TemporaryDirectory() as tmp:
         peak_bin, gemm_bin = Path(tmp) / "peak", Path(tmp) / "gemm"
-        subprocess.run(["gcc", "-O2", str(REPO / "bench/isa_peak.c"), "-o", str(peak_bin)], check=True)
+        cc = shutil.which("gcc") or "cc"  # a device image may have only its own toolchain's name on PATH
+        subprocess.run([cc, "-O2", str(REPO / "bench/isa_peak.c"), "-o", str(peak_bin)], check=True)
         subprocess.run(["g++", *BUILDS["module"], "-std=c++17", f"-I{REPO / 'kernels_cupy/cpu'}",
                         str(REPO / "bench/qgemm16_harness.cpp"), "-o", str(gemm_bin)], check=True)
         inst: dict[str, tuple[int, float]] = {}
@@ -64,6 +71,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (macs, rate) in peaks(peak_bin).items():
                 inst[name] = (macs, max(inst.get(name, (macs, 0.0))[1], rate))
+            if "tdpbusd-amx" in inst:
+                inst[AMX16] = (inst["tdpbusd-amx"][0] // 2, inst["tdpbusd-amx"][1])
             for key, rate in run(gemm_bin, args.bits, env).items():
                 gemm[key] = max(gemm.get(key, 0.0), rate)
     print(f"CPU: {cpu_line()}; the A16 kernel's path: {path}; best of {args.rounds} alternating rounds, one thread\n")
