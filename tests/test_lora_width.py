@@ -69,3 +69,26 @@ def test_the_stored_width_rule() -> None:
     assert stored_dtype({"a": bf, "b": f16}, cpu) == torch.float32  # mixed: fp32
     assert stored_dtype({"a": f32}, cpu) == torch.float32
     assert stored_dtype({"a": bf}, cuda) == torch.float32  # the CUDA kernels read fp32
+
+
+def test_an_adapter_is_one_aligned_buffer_read_in_step_order(hf: Any, tmp_path: Path) -> None:
+    """On the CPU every A and B of an adapter is a view into one buffer starting on a huge-page boundary, laid
+    out as a step reads them (layer by layer; qkv, o, gate_up, down; each A then its slices' B), holding the
+    file's values exactly (adapter.py's _packed)."""
+    from safetensors.torch import load_file
+
+    made = make_adapter(hf, tmp_path / "loras" / "all", ATTN + MLP, r=8, seed=5)
+    sd = load_file(str(made / WEIGHTS_FILE))
+    ad = load_adapter(made, "all", LlamaConfig.from_hf(hf.config.to_dict()))
+    views = [t for layer in ad.layers for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+             for t in (layer[proj].a, *layer[proj].bs)]
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base and v.is_contiguous() for v in views)  # one buffer
+    assert views[0].data_ptr() % (2 << 20) == 0  # starts on a huge page
+    starts = [v.data_ptr() for v in views]
+    assert starts == sorted(starts) and all(s % 64 == 0 for s in starts)  # in read order, cache-line aligned
+    assert all(a.data_ptr() + a.nbytes <= b.data_ptr() for a, b in zip(views, views[1:]))  # none overlap
+    q_a = sd[next(k for k in sd if "layers.0.self_attn.q_proj.lora_A" in k)]
+    down_b = sd[next(k for k in sd if "layers.1.mlp.down_proj.lora_B" in k)]
+    assert torch.equal(ad.layers[0]["qkv_proj"].a[:8], q_a.to(ad.layers[0]["qkv_proj"].a.dtype))
+    assert torch.equal(ad.layers[1]["down_proj"].bs[0], down_b.to(ad.layers[1]["down_proj"].bs[0].dtype))
