@@ -112,6 +112,23 @@ def test_projection_shapes(kernel: Any, k: int, rank: int) -> None:
         assert torch.equal(_run(kernel, x, y, args, threads), want), threads
 
 
+@pytest.mark.parametrize("k", [37, 13, 8])
+def test_decode_groups_with_any_input_width(kernel: Any, k: int) -> None:
+    """Groups of 1-4 rows (a decode step's) shrink through lora_rows.h: an input width that is no multiple of 8
+    (the rows padded with +0 to whole steps, as fgemm pads), and a row of -0 inputs (whose sums must stay +0, as
+    fgemm's do), give the loop's bits at 1 and 2 threads."""
+    sizes = [1, 2, 3, 4, 2]
+    sl = [[(0, 30), (30, 50)]] * len(sizes)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y, args = _case(sizes, [5, 8, 16, 3, 64], sl, dtype, t=sum(sizes) + 2, k=k, n_out=50, seed=k)
+        zero = args[0][1][0]  # a row of -0 inputs, its output row +0: its delta must come out exactly +0
+        x[zero], y[zero] = -0.0, 0.0
+        want = _reference(kernel, x, y, args)
+        assert not want[zero].any() and not torch.signbit(want[zero]).any()
+        for threads in (1, 2):
+            assert torch.equal(_run(kernel, x, y, args, threads), want), (dtype, threads)
+
+
 def test_repeated_rows_run_in_group_order(kernel: Any) -> None:
     """A row index in two groups (the engine never does this): every add still lands, in group order."""
     x, y, args = _case([40, 40], [8, 8], [[(0, 64)], [(0, 64)]], torch.float32, t=80, k=32, n_out=64, seed=3)

@@ -18,8 +18,8 @@
 // the same fmas from +0, the same +0 padding past K, the same adds in the same order, per element: fgemm's bits
 // (tests/test_lora_add_kernel.py). Measured faster than fgemm from 1 row a group up (~1.9x at 512 rows). An item
 // of at most kRowsMaxN rows (a decode step's group) skips the panel: lora_rows.h reads B in its own layout, with
-// the same bits (the panel's transpose cost more than the multiply-adds it served there). For a larger K, and on
-// the scalar path (KVGATE_FGEMM_ISA=scalar), fgemm itself.
+// the same bits (the panel's transpose cost more than the multiply-adds it served there), and so does such an
+// item's shrink (shrink_rows). For a larger K, and on the scalar path (KVGATE_FGEMM_ISA=scalar), fgemm itself.
 // Included by qgemm.cpp after fgemm.h.
 #pragma once
 
@@ -276,14 +276,31 @@ static void expand_rows(const Call& c, int64_t s, int64_t n, const float* hs, in
   with_weights(c.b[s], [&](const auto* b) { lora_rows::expand_add(n, hs, kp, b, rr, cols, y.data(), scl); });
 }
 
-// One item: its rows' shrink, then every slice's expand and add in slice order (lanes: the AVX2 lanes expand
-// where the rank allows it, else fgemm's).
+// The shrink h (n, R) = xs a^T of an item of a few rows through lora_rows.h: a read once, in its own layout, as
+// one stream with prefetches (a decode step's A comes from memory). Its bits are fgemm's: lora_rows sums every
+// element in fgemm's order, and y = +0 + s * 1 is s exactly (fgemm's sums start from +0 lanes, so s is never -0).
+// xs rows are padded with +0 to whole 8-wide steps, which lora_rows reads whole (fgemm's step-3 padding).
+static void shrink_rows(const Call& c, int64_t g, int64_t n, const int64_t* r, Scratch& sc) {
+  const int64_t R = c.a[g].size(0), K = c.K, kx = (K + 7) / 8 * 8;
+  sc.xs.assign(n * kx, 0.f), sc.h.assign(n * R, 0.f);
+  for (int64_t i = 0; i < n; ++i) std::copy_n(c.x + r[i] * K, K, sc.xs.data() + i * kx);  // exact copies
+  sc.y.resize(n);
+  for (int64_t i = 0; i < n; ++i) sc.y[i] = sc.h.data() + i * R;
+  with_weights(c.a[g], [&](const auto* a) { lora_rows::expand_add(n, sc.xs.data(), kx, a, K, R, sc.y.data(), 1.f); });
+}
+
+// One item: its rows' shrink, then every slice's expand and add in slice order (lanes: the AVX2 path, lora_rows.h
+// for items of a few rows, else the lanes expand where the rank allows it and fgemm's shrink; scalar: fgemm's).
 static void run_item(const Call& c, const Item& it, bool lanes, Scratch& sc) {
   const int64_t g = it.g, n = it.i1 - it.i0, R = c.a[g].size(0), K = c.K;
   const int64_t* r = c.rows[g].data_ptr<int64_t>() + it.i0;
-  sc.xs.resize(n * K), sc.h.resize(n * R);
-  for (int64_t i = 0; i < n; ++i) std::copy_n(c.x + r[i] * K, K, sc.xs.data() + i * K);  // (n, in): exact copies
-  fgemm::gemm(fgemm_args(n, R, K, sc.xs.data(), c.a[g], nullptr, sc.h.data()), 0, R);
+  if (lanes && n <= kRowsMaxN) {  // a decode step's group: its lora_add 5-8% faster at 2 threads (bench/RESULTS.md)
+    shrink_rows(c, g, n, r, sc);
+  } else {
+    sc.xs.resize(n * K), sc.h.resize(n * R);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(c.x + r[i] * K, K, sc.xs.data() + i * K);  // (n, in): exact copies
+    fgemm::gemm(fgemm_args(n, R, K, sc.xs.data(), c.a[g], nullptr, sc.h.data()), 0, R);
+  }
   const float scl = static_cast<float>(c.scale[g]);  // torch's mul_ by a Python float: the scalar as fp32
   for (int64_t s = c.first[g]; s < c.first[g + 1]; ++s) {
     const int64_t lo = c.s_cols[4 * s], hi = c.s_cols[4 * s + 1], rlo = c.s_cols[4 * s + 2],

@@ -1,7 +1,8 @@
 // The expand and add of lora_add (lora_add.h) for an item of a few rows: a decode step's groups hold 1-4 rows
 // each. There the lanes path's transpose of b into its panel costs more than the multiply-adds it serves (measured
 // on a Zen 4: the expand took twice fgemm's shrink over the same bytes), so this path reads b in its own (cols, K)
-// layout, each weight widened once and used by every row of the item.
+// layout, each weight widened once and used by every row of the item. lora_add.h's shrink_rows runs such an item's
+// shrink through it too (b = A, K = the input width, y the shrink's zeroed rows, scale 1).
 //
 // Numerics: fgemm's (fgemm.h steps 1-4) for every element, so the bits are the lanes path's and the flinear loop's
 // (tests/test_lora_add_kernel.py). An output column c of row h is 8 lane chains a_j = fma(h[k0 + j], b[c][k0 + j],
