@@ -59,8 +59,9 @@ BENCH(dpbusd_zmm, "avx512vnni,avx512f", TWELVE("vpdpbusd", "zmm"))
 // AMX: one tile product multiplies a 16 x 64-byte A tile by a 64-byte x 16 B tile into 16 x 16 int32 (or fp32)
 // sums: 16 * 16 * 64 = 16,384 byte multiply-adds for tdpbusd (8-bit quads), 16 * 16 * 32 = 8,192 for tdpbf16ps.
 // Six accumulator tiles (tmm0-5) and two source tiles (tmm6, tmm7); a 12-bit code of the A16 AMX kernel takes two
-// bytes of a product's depth (hi and lo: qgemm_a16_amx.h), so that kernel's own peak is half of tdpbusd's. The tile state must be granted to
-// the process first (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18), as the kernel does.
+// bytes of a product's depth (hi and lo: qgemm_a16_amx.h), so that kernel's own peak is half of tdpbusd's. The
+// tile state must be granted to the process first (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18), as the
+// kernel does.
 struct tilecfg {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];

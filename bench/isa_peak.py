@@ -71,10 +71,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (macs, rate) in peaks(peak_bin).items():
                 inst[name] = (macs, max(inst.get(name, (macs, 0.0))[1], rate))
-            if "tdpbusd-amx" in inst:
-                inst[AMX16] = (inst["tdpbusd-amx"][0] // 2, inst["tdpbusd-amx"][1])
             for key, rate in run(gemm_bin, args.bits, env).items():
                 gemm[key] = max(gemm.get(key, 0.0), rate)
+    if "tdpbusd-amx" in inst:
+        inst[AMX16] = (inst["tdpbusd-amx"][0] // 2, inst["tdpbusd-amx"][1])
     print(f"CPU: {cpu_line()}; the A16 kernel's path: {path}; best of {args.rounds} alternating rounds, one thread\n")
     print("| instruction (AVX2: the sequence of one step) | multiply-adds a step | G steps/s | GMAC/s |")
     print("|---|---:|---:|---:|")

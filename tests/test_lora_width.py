@@ -14,6 +14,7 @@ from tests.lora_support import ATTN, MLP, lora_engine, make_adapter
 from tests.tiny import hf_model, random_prompts
 from workers.core.sampling_params import SamplingParams
 from workers.lora.adapter import WEIGHTS_FILE, load_adapter, stored_dtype
+from workers.models.decode_stack import STACK_PROJS
 from workers.models.llama import LlamaConfig
 
 
@@ -80,8 +81,7 @@ def test_an_adapter_is_one_aligned_buffer_read_in_step_order(hf: Any, tmp_path: 
     made = make_adapter(hf, tmp_path / "loras" / "all", ATTN + MLP, r=8, seed=5)
     sd = load_file(str(made / WEIGHTS_FILE))
     ad = load_adapter(made, "all", LlamaConfig.from_hf(hf.config.to_dict()))
-    views = [t for layer in ad.layers for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-             for t in (layer[proj].a, *layer[proj].bs)]
+    views = [t for layer in ad.layers for proj in STACK_PROJS for t in (layer[proj].a, *layer[proj].bs)]
     base = views[0].untyped_storage().data_ptr()
     assert all(v.untyped_storage().data_ptr() == base and v.is_contiguous() for v in views)  # one buffer
     assert views[0].data_ptr() % (2 << 20) == 0  # starts on a huge page

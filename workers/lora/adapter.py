@@ -24,6 +24,7 @@ import torch
 
 from common.peft_config import (CONFIG_FILE, KEY_RE, MAX_RANK, NAME_RE, WEIGHTS_FILE, layer_indices, rank_and_scale,
                                 read_config, target_names)
+from workers.models.decode_stack import STACK_PROJS
 from workers.models.llama import LlamaConfig
 
 __all__ = ["CONFIG_FILE", "MAX_RANK", "NAME_RE", "WEIGHTS_FILE", "LoraAdapter", "load_adapter", "targets"]
@@ -172,7 +173,6 @@ def load_adapter(directory: Path, name: str, base: LlamaConfig, device: torch.de
 
 
 _HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
-_PROJ_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the order a step's layers read them
 
 
 def _huge_page_buffer(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -195,8 +195,8 @@ def _packed(layers: list[dict[str, LoraProj]]) -> list[dict[str, LoraProj]]:
     VM) every 4 KiB, where the hardware prefetchers also stop. One huge-page buffer made a 16-row step's deltas
     8-12% faster on a Zen 4 VM (bench/lora_packing.py, bench/RESULTS.md). Values and shapes are unchanged, so no
     bit of any row moves."""
-    parts = [t for layer in layers for proj in sorted(layer, key=_PROJ_ORDER.index)
-             for t in (layer[proj].a, *layer[proj].bs)]
+    order = [[proj for proj in STACK_PROJS if proj in layer] for layer in layers]  # the stack's order
+    parts = [t for layer, projs in zip(layers, order) for proj in projs for t in (layer[proj].a, *layer[proj].bs)]
     if not parts:
         return layers
     pad = 64 // parts[0].element_size()  # each tensor starts on a cache line
@@ -210,9 +210,9 @@ def _packed(layers: list[dict[str, LoraProj]]) -> list[dict[str, LoraProj]]:
         return view
 
     out: list[dict[str, LoraProj]] = []
-    for layer in layers:
+    for layer, projs in zip(layers, order):
         packed = {}
-        for proj in sorted(layer, key=_PROJ_ORDER.index):
+        for proj in projs:
             p = layer[proj]
             a = place(p.a)
             packed[proj] = LoraProj(a, tuple(LoraSlice(s.lo, s.hi, s.r_lo, s.r_hi, place(s.b)) for s in p.slices))
