@@ -27,5 +27,5 @@ def test_overload_quick() -> None:
 
 @pytest.mark.serial
 def test_slow_readers_quick() -> None:
-    """The gateway gives a stalled stream --stream-stall-timeout (15 s at the quick size) before it cuts it."""
+    """The gateway gives a stalled stream --stream-stall-timeout (5 s at the quick size) before it cuts it."""
     assert_passed(run_quick("slow-readers"))

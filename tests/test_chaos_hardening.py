@@ -23,7 +23,7 @@ def test_hostile_schemas_quick() -> None:
 
 @pytest.mark.serial
 def test_stalled_streams_quick() -> None:
-    """200 streams generate until a bound cuts them; their ledger rows land the stall timeout (15 s at the quick
+    """200 streams generate until a bound cuts them; their ledger rows land the stall timeout (5 s at the quick
     size) after their clients stopped reading."""
     assert_passed(run_quick("stalled-streams"))
 

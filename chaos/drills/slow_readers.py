@@ -29,8 +29,9 @@ NORMAL = 4
 READ_BYTES, READ_EVERY_S = 4, 1.0
 RCVBUF = 2048  # the kernel doubles it; small, so backpressure reaches the gateway within seconds
 LOGPROBS = 20  # 20 alternatives per token make each event about 1.5 KB: the socket buffers fill in a few dozen tokens
-# The gateway's --stream-stall-timeout: its default at full size; quick, 15 s, so CI does not wait a minute for it.
-STALL_S: dict[bool, float] = {True: 15.0, False: 60.0}
+# The gateway's --stream-stall-timeout: its default at full size; quick, 5 s, so CI does not wait a minute for it
+# (a normal client empties its 16-event buffer within milliseconds; a slow reader never, at 4 bytes a second).
+STALL_S: dict[bool, float] = {True: 5.0, False: 60.0}
 # That timeout after the buffers fill, with room to spare (smollm2 fills them slower).
 CUT_WITHIN_S: dict[bool, float] = {True: 180.0, False: 400.0}
 # What a stalled stream may cost the gateway: its 16-event SSE buffer and socket buffers need well under 1 MiB.

@@ -5,7 +5,7 @@ its worker goes on generating. What the gateway holds for them is bounded (``gat
 ``MAX_PENDING_BYTES`` (1 MiB) of untaken output per stream and the ``PendingBudget`` of all streams together
 (256 MiB; past it a stream holding over ``CUTTABLE_BYTES``, 16 KiB, is cut), both enforced at a cut that aborts
 the stream on its worker; and by the gateway's ``--stream-stall-timeout`` (60 s by default; the quick size runs
-15 s so CI does not wait a minute), after which a stream whose client took nothing is dropped. Which comes first
+5 s so CI does not wait a minute), after which a stream whose client took nothing is dropped. Which comes first
 depends on how fast the worker makes tokens: the drill reports it (the pool logs each cut by a bound), and judges
 what must hold either way. No flag or variable sets the budget (``WorkerPool`` makes ``PendingBudget()`` with its
 default), so the drill sizes the load: every stream runs at once, and at the default size the per-stream bounds
@@ -137,7 +137,7 @@ class StalledStreams(Drill):
     needs_processes = True
     _cuts_before = 0
     time_limit_s: ClassVar[tuple[float, float]] = (600.0, 1500.0)
-    SIZES: ClassVar[dict[bool, Size]] = {True: Size(200, 240.0, 15.0), False: Size(1000, 600.0, 60.0)}
+    SIZES: ClassVar[dict[bool, Size]] = {True: Size(200, 240.0, 5.0), False: Size(1000, 600.0, 60.0)}
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
         from chaos.tiny_model import tiny_model_dir
