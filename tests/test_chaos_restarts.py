@@ -29,6 +29,6 @@ def test_redis_outage_quick() -> None:
 
 
 def test_store_trouble_quick() -> None:
-    """The store locked 15 s by another writer (longer, until a ledger commit gave up), then its tmpfs full 15 s (that
+    """The store locked 15 s by another writer (longer, until a ledger commit gave up), then its tmpfs full 5 s (that
     phase skips without root)."""
     assert_passed(run_quick("store-trouble"))

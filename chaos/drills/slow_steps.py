@@ -45,7 +45,9 @@ class SlowSteps(Drill):
                                                             "--max-model-len", "4096"))
 
     async def run(self, ctx: DrillContext, result: DrillResult) -> None:
-        prompt_len, max_tokens = (64, 4) if ctx.sizing.quick else (3000, 32)
+        # Quick: two tokens, so every stream lives through a few 4 s steps (its prefill's, the others' and a
+        # decode) without a 4 s step per extra token.
+        prompt_len, max_tokens = (64, 2) if ctx.sizing.quick else (3000, 32)
         how = (f"every step delayed {QUICK_STEP_DELAY_S:g}s (KVGATE_DEBUG_STEP_DELAY)" if ctx.sizing.quick
                else f"--max-num-batched-tokens {FULL_STEP_BUDGET}")
         result.load = (f"{self.STREAMS} concurrent streams, {prompt_len}-token prompts, {max_tokens} tokens each; "
