@@ -66,7 +66,7 @@ class StoreTrouble(Drill):
     needs_processes = True
     FAULT_S: ClassVar[dict[bool, float]] = {True: 15.0, False: 40.0}
     # The disk-full phase needs no busy timeout to run out (a write to a full disk fails at once), so its quick size
-    # is shorter: 5 s of 4 requests at a time still makes dozens of ledger commits fail.
+    # is shorter: 5 s of 4 requests at a time still fails the ledger's commits (5 times in a quick run, Zen 4).
     FULL_S: ClassVar[dict[bool, float]] = {True: 5.0, False: 40.0}
     # The lock is held past FAULT_S until the gateway has logged a commit that gave up ("database is locked", after
     # its 10 s busy timeout), at most this many times FAULT_S: on a slow machine the first rows may reach the ledger
