@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from peer_servers import cpu_line  # noqa: E402
 
 from kernels_cupy.cpu.qgemm import load_qgemm  # noqa: E402
-from workers.lora.adapter import LoraProj, LoraSlice, _packed  # noqa: E402
+from workers.lora.adapter import LoraAdapter, LoraProj, LoraSlice, _packed  # noqa: E402
+from workers.lora.batch import LoraBatch  # noqa: E402
 
 HIDDEN, INTER, KV, RANK, LAYERS, ADAPTERS = 576, 1536, 192, 16, 30, 8
 # kvgate's projection -> (input width, its targets' output widths)
@@ -56,17 +57,19 @@ def random_adapter(g: torch.Generator) -> Adapter:
     return layers
 
 
-def step(qg: object, adapters: list[Adapter], xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor]) -> float:
-    """Seconds of one decode step's lora_add calls (each adapter's rows 2i, 2i + 1), as the decode stack calls it."""
-    rows = [torch.tensor([2 * i, 2 * i + 1]) for i in range(len(adapters))]
+def step(batch: LoraBatch, xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor]) -> float:
+    """Seconds of one decode step's lora_add calls, through the engine's own LoraBatch.add."""
     t = time.perf_counter()
     for li in range(LAYERS):
         for proj in PROJS:
-            ps = [ad[li][proj] for ad in adapters]
-            qg.lora_add(xs[proj], ys[proj], rows, [p.a for p in ps], [2.0] * len(ps),  # type: ignore[attr-defined]
-                        [i for i, p in enumerate(ps) for _ in p.slices], [c for p in ps for c in p.cols],
-                        [b for p in ps for b in p.bs])
+            batch.add(li, proj, xs[proj], ys[proj])
     return time.perf_counter() - t
+
+
+def batch_of(adapters: list[Adapter], qg: object) -> LoraBatch:
+    """The step's groups: adapter i on rows 2i and 2i + 1, scale 2."""
+    return LoraBatch([(LoraAdapter(f"a{i}", RANK, 2.0, tuple(ad), 0), torch.tensor([2 * i, 2 * i + 1]))
+                      for i, ad in enumerate(adapters)], qg)
 
 
 def main() -> None:
@@ -80,14 +83,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     allocated = [random_adapter(g) for _ in range(ADAPTERS)]
-    layouts = {"separate tensors": allocated, "packed (the worker's)": [_packed(ad) for ad in allocated]}
+    layouts = {"separate tensors": batch_of(allocated, qg),
+               "packed (the worker's)": batch_of([_packed(ad) for ad in allocated], qg)}
     xs = {p: torch.randn(16, k, generator=g) for p, (k, _) in PROJS.items()}
     times: dict[str, list[float]] = {name: [] for name in layouts}
     outs: dict[str, dict[str, torch.Tensor]] = {}
     for r in range(args.rounds):
         for name in (list(layouts) if r % 2 == 0 else list(layouts)[::-1]):
             ys = {p: torch.zeros(16, sum(outs_)) for p, (_, outs_) in PROJS.items()}
-            times[name].append(step(qg, layouts[name], xs, ys))
+            times[name].append(step(layouts[name], xs, ys))
             outs[name] = ys
     first = next(iter(outs.values()))
     if any(not torch.equal(o[p], first[p]) for o in outs.values() for p in PROJS):
