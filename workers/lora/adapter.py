@@ -200,13 +200,17 @@ def _packed(layers: list[dict[str, LoraProj]]) -> list[dict[str, LoraProj]]:
     if not parts:
         return layers
     pad = 64 // parts[0].element_size()  # each tensor starts on a cache line
-    raw, pos = _huge_page_buffer(sum((t.numel() + pad - 1) // pad * pad for t in parts), parts[0].dtype)
+
+    def span(t: torch.Tensor) -> int:  # elements t takes in the buffer: itself, up to the next cache line
+        return (t.numel() + pad - 1) // pad * pad
+
+    raw, pos = _huge_page_buffer(sum(span(t) for t in parts), parts[0].dtype)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal pos
         view = raw[pos:pos + t.numel()].view(t.shape)
         view.copy_(t)
-        pos += (t.numel() + pad - 1) // pad * pad
+        pos += span(t)
         return view
 
     out: list[dict[str, LoraProj]] = []
