@@ -12,7 +12,24 @@
 Importing a support module starts nothing: each service starts when a test first asks for its fixture.
 """
 
+import os
+import sys
+
 import pytest
+
+# In the parallel pass (pytest-xdist: two processes on two cores) each process's torch runs one intra-op thread by
+# default, as the servers the tests start already do (OMP_NUM_THREADS=1, test_gateway_support), and a thread that
+# waits at an OpenMP barrier sleeps instead of spinning. With two spinning threads per process, every op of an
+# in-process model waited on a thread the other process held, and the waiter burnt the core that thread needed.
+# Zen 4, beside a busy core: transformers' greedy reference in the golden test 45 s on two threads, 24 s on one
+# (the same tokens); the smollm2 determinism test (two threads on purpose) 73 s spinning, 45 s passive. The pass:
+# 566 -> 503 s (threads) -> 470 s (passive). The tests about threads (determinism, the kernels' thread sweeps) set
+# their own counts; arithmetic does not depend on how a thread waits. libgomp reads the policy when torch loads it,
+# so this must run before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    if "torch" in sys.modules:
+        raise RuntimeError("torch was imported before tests/conftest.py could set its OpenMP wait policy")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 pytest_plugins = [
     "tests.test_gateway_support",
@@ -36,3 +53,10 @@ _LONG_MODULES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order is kept
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

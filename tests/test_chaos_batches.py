@@ -17,7 +17,11 @@ from tests.chaos_support import assert_passed, run_quick
 
 # A drill judged by a deadline of a few seconds or by a latency against a baseline is `serial`: it runs alone,
 # after the parallel pass, since another test's load between its measurements would move the verdict. The
-# others' deadlines (15 s and more) hold beside another test's load, and they run in the parallel pass.
+# others' deadlines (15 s and more) hold beside another test's load, and they run in the parallel pass. Both drills
+# here do: batch-interactive's latencies and shares are judged only at the full size (the quick one reports them,
+# its checks skipped), and what it judges at the quick size (every request completed within 120 s, the batch still
+# running through the measured window, cancelled cleanly) holds under load, which slows the batch as much as the
+# requests beside it.
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -39,7 +43,6 @@ def test_batch_kills_quick() -> None:
     assert isinstance(m["attempted_unstored_at_gateway_kill"], int) and m["attempted_unstored_at_gateway_kill"] > 0
 
 
-@pytest.mark.serial
 def test_batch_interactive_quick() -> None:
     [result] = run_quick("batch-interactive")
     assert_passed([result])
