@@ -68,15 +68,17 @@ generate: setup
 # collection order (--no-loadscope-reorder), which tests/conftest.py starts with the longest ones. The tests marked
 # `serial` are judged by timing (deadlines of a few seconds, latencies against a baseline, a weighted share of
 # tokens): another process's load between their measurements would move the verdict, so they run afterwards, one
-# at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes. Three
-# processes instead of two ran the first pass slower (over 20 min): it keeps both cores 99.5% busy.
+# at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes.
+# Three processes: with two, the pass still left 42% of the two cores idle (158% CPU on a Zen 4: its tests wait on
+# servers, processes and sockets), and a third fills most of it (184%): the pass and the type check 493 -> 442 s
+# on a Zen 4. Three once ran slower on a Zen 1 (over 20 min), when each process's torch spun two OpenMP threads;
+# tests/conftest.py now gives each process one thread that sleeps at barriers, so three no longer fight over cores.
 # --durations: where the minutes go, in every CI log.
-# The type check runs beside the first pass, at the lowest priority: that pass leaves ~40% of the two cores idle
-# (its tests wait on servers and processes: 158% CPU on a Zen 4), and mypy's ~45 s of one core fit in that idle
-# time, where beside the kernel builds it held one of the cores they need (Zen 4: builds and mypy together 70 s,
-# the builds alone 45 s). Never beside the serial pass, whose verdicts are timings. A type error still fails the
-# target, after the first pass.
-TEST_JOBS ?= 2
+# The type check runs beside the first pass, at the lowest priority, in the idle time that pass leaves, where
+# beside the kernel builds it held one of the cores they need (Zen 4: builds and mypy together 70 s, the builds
+# alone 45 s). Never beside the serial pass, whose verdicts are timings. A type error still fails the target,
+# after the first pass.
+TEST_JOBS ?= 3
 # Bytecode is written during the tests even where PYTHONDONTWRITEBYTECODE is set: each pytest process otherwise
 # rewrote and compiled every test module again (collecting: 27 s of CPU without the cache, 14 s with it, Zen 1),
 # as did every process the tests start for the modules only they import.
