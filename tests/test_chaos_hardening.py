@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.mark.serial
 def test_hostile_schemas_quick() -> None:
-    """About a minute: 16 streams of 1,500 tokens alone, beside the first grammar request, beside the flood."""
+    """16 streams of 1,000 tokens alone, beside the first grammar request, beside the flood (~30 s)."""
     assert_passed(run_quick("hostile-schemas"))
 
 

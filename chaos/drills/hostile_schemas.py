@@ -65,8 +65,9 @@ class HostileSchemas(Drill):
                "enums, catastrophic regexes, wide anyOf): p99 inter-token latency within the CPU the flood takes "
                "plus half the costliest spec's own time, no 5xx, every hostile request answered (400/200 recorded)")
     time_limit_s: ClassVar[tuple[float, float]] = (300.0, 900.0)
-    # The default size floods twice as hard for twice as long.
-    SIZES: ClassVar[dict[bool, Size]] = {True: Size(1500, 4, 300), False: Size(3000, 8, 1200)}
+    # The default size floods twice as hard for three times as long (the quick one trimmed for CI to what its
+    # verdict needs: it still fails a gateway that parses on its event loop, chaos/RESULTS.md).
+    SIZES: ClassVar[dict[bool, Size]] = {True: Size(1000, 4, 300), False: Size(3000, 8, 1200)}
 
     def spec(self, sizing: Sizing) -> DeploymentSpec:
         from chaos.tiny_model import tiny_model_dir
