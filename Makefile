@@ -71,8 +71,9 @@ generate: setup
 # at a time. On a 2-core Zen 1: 29 min 42 s in one process; 17 min 15 s + 5 min 43 s in two passes.
 # Three processes: with two, the pass still left 42% of the two cores idle (158% CPU on a Zen 4: its tests wait on
 # servers, processes and sockets), and a third fills most of it (184%): the pass and the type check 493 -> 442 s
-# on a Zen 4. Three once ran slower on a Zen 1 (over 20 min), when each process's torch spun two OpenMP threads;
-# tests/conftest.py now gives each process one thread that sleeps at barriers, so three no longer fight over cores.
+# on a Zen 4. Three ran slower on a Zen 1 (over 20 min) and no faster on a Zen 4 (583 s against 589: the third
+# process's work paid in contention) while each process's torch spun two OpenMP threads at every barrier; with one
+# thread per process that sleeps there (tests/conftest.py), they gain.
 # --durations: where the minutes go, in every CI log.
 # The type check runs beside the first pass, at the lowest priority, in the idle time that pass leaves, where
 # beside the kernel builds it held one of the cores they need (Zen 4: builds and mypy together 70 s, the builds
