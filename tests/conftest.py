@@ -17,15 +17,15 @@ import sys
 
 import pytest
 
-# In the parallel pass (pytest-xdist: two processes on two cores) each process's torch runs one intra-op thread by
-# default, as the servers the tests start already do (OMP_NUM_THREADS=1, test_gateway_support), and a thread that
-# waits at an OpenMP barrier sleeps instead of spinning. With two spinning threads per process, every op of an
-# in-process model waited on a thread the other process held, and the waiter burnt the core that thread needed.
-# Zen 4, beside a busy core: transformers' greedy reference in the golden test 45 s on two threads, 24 s on one
-# (the same tokens); the smollm2 determinism test (two threads on purpose) 73 s spinning, 45 s passive. The pass:
-# 566 -> 503 s (threads) -> 470 s (passive). The tests about threads (determinism, the kernels' thread sweeps) set
-# their own counts; arithmetic does not depend on how a thread waits. libgomp reads the policy when torch loads it,
-# so this must run before anything imports torch.
+# In the parallel pass (pytest-xdist: three processes on two cores) each process's torch runs one intra-op thread
+# by default, as the servers the tests start already do (OMP_NUM_THREADS=1, test_gateway_support), and a thread
+# that waits at an OpenMP barrier sleeps instead of spinning (the servers inherit that too). With two spinning
+# threads per process, every op of an in-process model waited on a thread another process held, and the waiter
+# burnt the core that thread needed. Zen 4, beside a busy core: transformers' greedy reference in the golden test
+# 45 s on two threads, 24 s on one (the same tokens); the smollm2 determinism test (two threads on purpose) 73 s
+# with libgomp's default waits, 45 s passive. The pass (two processes): 566 -> 503 s (threads) -> 470 s (passive).
+# The tests about threads (determinism, the kernels' thread sweeps) set their own counts; arithmetic does not
+# depend on how a thread waits. libgomp reads the policy when torch loads it, so this runs before any import of it.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:
         raise RuntimeError("torch was imported before tests/conftest.py could set its OpenMP wait policy")

@@ -30,7 +30,7 @@ def load_stack() -> Any | None:
         # Glue only (the kernels are the modules'): no -march=native, no OpenMP of its own. Built before the three
         # modules are loaded: it reaches them only through the tables bound below, so its build need not wait on
         # theirs, and a build of all four (prebuild, the wheel test) runs it beside them instead of after (Zen 4:
-        # 45 -> 40 s for prebuild's four).
+        # 45 -> 42-44 s for prebuild's four). Where one of them cannot be built, the glue is built for nothing, once.
         src, *included = build_files(_DIR / "decode_stack.cpp")
         mod = load_extension("kvgate_cpu_decode_stack", [src], headers=included, cflags=["-O3", "-ffp-contract=off"],
                              ldflags=[])
