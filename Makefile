@@ -87,14 +87,15 @@ TEST_JOBS ?= 3
 # rewrote and compiled every test module again (collecting: 27 s of CPU without the cache, 14 s with it, Zen 1),
 # as did every process the tests start for the modules only they import.
 TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider
 test: $(STAMP) redis-server postgresql chromium
 	$(MAKE) --no-print-directory -j 2 kernels bytecode
 	$(MAKE) --no-print-directory -j 2 test-parallel typecheck-idle
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -m serial --durations=10
+	$(PYTEST) -m serial --durations=10
 
 .PHONY: test-parallel typecheck-idle
 test-parallel: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=30
+	$(PYTEST) -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=30
 
 MYPY := $(PY) -m mypy --follow-imports=silent workers ipc common gateway tenancy chaos console kernels_cupy
 typecheck: $(STAMP)

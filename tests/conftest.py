@@ -30,6 +30,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:
         raise RuntimeError("torch was imported before tests/conftest.py could set its OpenMP wait policy")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(1)
 
 pytest_plugins = [
     "tests.test_gateway_support",
@@ -39,8 +42,8 @@ pytest_plugins = [
 ]
 
 # The longest modules, longest first: 24 to 80 s of one pytest process each (each CI log's --durations).
-# `make test` hands whole modules to its two processes in collection order (--dist loadscope
-# --no-loadscope-reorder); putting these first lets the short ones fill in at the end, so the two processes finish
+# `make test` hands whole modules to its processes in collection order (--dist loadscope
+# --no-loadscope-reorder); putting these first lets the short ones fill in at the end, so the processes finish
 # together. xdist's own reorder (most tests first) sent the one-test wheel build and the drills last, and one
 # process waited ~80 s on the other. A scheduling hint only: a module missing here just runs in its usual place.
 _LONG_MODULES = (
@@ -53,10 +56,3 @@ _LONG_MODULES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order is kept
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-
-        torch.set_num_threads(1)

@@ -96,10 +96,10 @@ class StoreTrouble(Drill):
     async def run(self, ctx: DrillContext, result: DrillResult) -> None:
         if ctx.deployment is None or ctx.target.db_path is None:
             raise RuntimeError("store-trouble needs a spawned deployment")
-        seconds = self.FAULT_S[ctx.sizing.quick]
+        seconds, full_s = self.FAULT_S[ctx.sizing.quick], self.FULL_S[ctx.sizing.quick]
         result.load = (f"4 concurrent small requests (half streaming) for {seconds:g}s while the store is locked "
                        f"(BEGIN EXCLUSIVE; held until a ledger commit gave up, at most {self.LOCK_CAP * seconds:g}s), "
-                       f"then {self.FULL_S[ctx.sizing.quick]:g}s with its {TMPFS_SIZE} tmpfs full")
+                       f"then {full_s:g}s with its {TMPFS_SIZE} tmpfs full")
         gateway = ctx.gateway_pid
         since = time.time()
         release = threading.Event()
@@ -112,7 +112,7 @@ class StoreTrouble(Drill):
             release.set()
         result.add(*self._answers("store locked", locked))
         result.add(*await self._rows("store locked", ctx, since, locked))
-        full = await self._disk_full(ctx, result, self.FULL_S[ctx.sizing.quick])
+        full = await self._disk_full(ctx, result, full_s)
         record_outcomes(result, [*locked, *full])
         result.add(check("the gateway never crashed", gateway is not None and alive(gateway), f"pid {gateway}"))
         serves, how = await still_serves(ctx.client, ctx.target)
